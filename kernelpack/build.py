@@ -1,0 +1,240 @@
+"""``kernelpack build``: compile every config of a recipe in isolated workers and pack the caches into one artifact.
+
+Each config runs in its own process (``python -m kernelpack.build --worker``) with its own fresh
+TORCHINDUCTOR_CACHE_DIR (Triton's cache under it), through exactly the canonical call workers make, forward and
+(if asked) backward, and is checked against a float64 reference computed without flex. ``jobs`` workers run at once
+on the same device (compilation is CPU-bound). The per-config caches are merged into one artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from . import artifact as art
+from .errors import BuildError, KernelpackError
+from .recipe import Config, Recipe, load_recipe
+
+LOG_TAIL_LINES = 25
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigOutcome:
+    config: Config
+    ok: bool
+    seconds: float  # first canonical call (compile + run), as measured in the worker
+    wall: float  # the worker process, start-up included
+    errors: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    build_key: dict[str, str] | None = None
+    message: str = ""
+    log_tail: str = ""
+    cache_dir: Path | None = None
+
+
+class BuildProgress:
+    """No-op progress callback; the CLI attaches a progress bar."""
+
+    def start(self, total: int) -> None: ...
+
+    def config_done(self, outcome: ConfigOutcome) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    artifact: Path | None
+    manifest: dict[str, Any] | None
+    outcomes: list[ConfigOutcome]
+    seconds: float
+
+    @property
+    def failed(self) -> list[ConfigOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+def build(
+    recipe_path: str | Path,
+    out_dir: str | Path,
+    *,
+    jobs: int = 1,
+    keep_going: bool = False,
+    device_index: int = 0,
+    level: int = 10,
+    timeout: float = 1800.0,
+    progress: BuildProgress | None = None,
+    workdir: str | Path | None = None,
+) -> BuildResult:
+    recipe = load_recipe(recipe_path)
+    progress = progress or BuildProgress()
+    start = time.perf_counter()
+    own_workdir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="kernelpack-build-")) if workdir is None else Path(workdir)
+    try:
+        progress.start(len(recipe.configs))
+        outcomes: list[ConfigOutcome] = []
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            futures = [
+                pool.submit(_run_worker, c, work / c.id, device_index, timeout) for c in recipe.configs
+            ]
+            for fut in as_completed(futures):
+                outcome = fut.result()
+                outcomes.append(outcome)
+                progress.config_done(outcome)
+        outcomes.sort(key=lambda o: o.config.id)
+        failed = [o for o in outcomes if not o.ok]
+        if failed and not keep_going:
+            raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
+        built = [o for o in outcomes if o.ok]
+        if not built:
+            raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
+        path, manifest = _package(recipe, built, failed, Path(out_dir), device_index, level)
+        return BuildResult(path, manifest, outcomes, time.perf_counter() - start)
+    finally:
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
+    lines = [f"{len(failed)} of {len(recipe.configs)} config(s) of recipe {recipe.name!r} failed:"]
+    for o in failed:
+        lines.append(f"- {o.config.describe()}: {o.message}")
+        if o.log_tail:
+            lines += ["    " + line for line in o.log_tail.splitlines()]
+    return "\n".join(lines)
+
+
+def worker_env(cache_dir: Path) -> dict[str, str]:
+    """A fresh, private cache for one worker. Triton's cache goes under it (inductor's default layout)."""
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+    env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -> ConfigOutcome:
+    work.mkdir(parents=True, exist_ok=True)
+    cache_dir, result_file, log_file = work / "cache", work / "result.json", work / "worker.log"
+    cmd = [sys.executable, "-m", "kernelpack.build", "--worker", json.dumps(config.to_dict()), str(device_index),
+           str(result_file)]
+    start = time.perf_counter()
+    with open(log_file, "wb") as log:
+        try:
+            proc = subprocess.run(cmd, env=worker_env(cache_dir), stdout=log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, timeout=timeout, check=False)
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    wall = time.perf_counter() - start
+    tail = _tail(log_file)
+    if result_file.exists():
+        r = json.loads(result_file.read_text())
+        return ConfigOutcome(config, bool(r["ok"]) and rc == 0, r.get("seconds", 0.0), wall, r.get("errors", {}),
+                             r.get("counters", {}), r.get("build_key"), r.get("message", ""),
+                             "" if r["ok"] else tail, cache_dir)
+    why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
+    if rc is not None and rc < 0:
+        why += f" (signal {-rc}; out of memory?)"
+    return ConfigOutcome(config, False, 0.0, wall, message=why, log_tail=tail, cache_dir=cache_dir)
+
+
+def _tail(log_file: Path) -> str:
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def _package(recipe: Recipe, built: list[ConfigOutcome], failed: list[ConfigOutcome], out_dir: Path,
+             device_index: int, level: int) -> tuple[Path, dict[str, Any]]:
+    keys = {json.dumps(o.build_key, sort_keys=True) for o in built}
+    if len(keys) != 1:
+        raise BuildError(f"workers reported different build keys: {sorted(keys)}")
+    build_key = built[0].build_key
+    assert build_key is not None
+    # Merge: for a path more than one config wrote, the first config (by id) wins, so the result is deterministic.
+    files: dict[str, Path] = {}
+    for o in built:
+        assert o.cache_dir is not None
+        for rel, p in art.scan_tree(o.cache_dir).items():
+            files.setdefault(rel, p)
+    entries = art.hash_files(files)
+    from .keys import BuildKey
+
+    key = BuildKey.from_dict(build_key)
+    name = art.artifact_name(recipe.name, key.tag)
+    manifest: dict[str, Any] = {
+        "format": art.FORMAT_VERSION,
+        "kernelpack_version": __version__,
+        "name": name,
+        "created": int(os.environ.get("SOURCE_DATE_EPOCH", time.time())),
+        "recipe": {**recipe.normalized, "sha256": recipe.sha256},
+        "configs": [
+            {"id": o.config.id, "params": o.config.to_dict(), "compile_seconds": round(o.seconds, 3),
+             "max_rel_error": max(o.errors.values(), default=0.0)}
+            for o in built
+        ],
+        "failed": [{"id": o.config.id, "params": o.config.to_dict(), "error": o.message} for o in failed],
+        "build_key": build_key,
+        "device_index": device_index,
+        "devices": [device_index],
+        "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
+        "total_size": sum(e.size for e in entries),
+    }
+    out = out_dir / name
+    art.pack(out, manifest, files, entries, level=level)
+    return out, manifest
+
+
+def _worker_main(config_json: str, device_index: str, result_file: str) -> int:
+    """One config in this (fresh) process: canonical call, reference check, counters. Writes ``result_file``."""
+    result: dict[str, Any] = {"ok": False}
+    try:
+        from . import evidence, keys
+        from .workload import check_errors, run_config
+
+        config = Config.from_dict(json.loads(config_json))
+        evidence.install_hooks()
+        device = "cpu" if config.device == "cpu" else f"cuda:{int(device_index)}"
+        if config.device == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(device_index))
+        before = evidence.snapshot()
+        call = run_config(config, device)
+        result.update(seconds=call.seconds, errors=call.errors, counters=evidence.delta(before, evidence.snapshot()))
+        result["build_key"] = keys.probe(config.device, int(device_index)).to_dict()
+        message = check_errors(config, call.errors)
+        if message is not None:
+            result["message"] = message
+        else:
+            result["ok"] = True
+    except KernelpackError as e:
+        result["message"] = str(e)
+    except Exception as e:  # the worker must report, whatever torch raised (compile error, OOM, ...)
+        import traceback
+
+        traceback.print_exc()
+        result["message"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    Path(result_file).write_text(json.dumps(result))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
+        sys.exit(_worker_main(*sys.argv[2:]))
+    sys.exit("usage: python -m kernelpack.build --worker CONFIG_JSON DEVICE_INDEX RESULT_FILE")

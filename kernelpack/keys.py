@@ -1,0 +1,115 @@
+"""The build key: every fact about the environment that decides whether a cache entry can hit.
+
+Probing the environment (:func:`probe`) is the only impure step; matching (:func:`differences`) is a pure function of
+two keys, tested with made-up environments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import re
+import sys
+from dataclasses import dataclass
+from urllib.parse import quote, unquote
+
+NONE = "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildKey:
+    torch_version: str
+    torch_git: str  # torch.version.git_version: no inductor key contains it, so we check it ourselves
+    torch_key: str  # inductor's hash of torch's sources: catches a locally patched torch with the same commit
+    cuda: str
+    triton: str
+    python: str
+    platform: str
+    device_type: str
+    gpu_name: str  # inductor's keys include the GPU *name*: an H200 artifact misses on an H100
+    capability: str
+    # C++ (CPU) kernel keys contain the absolute -I/-L paths of the torch install; Triton (GPU) keys do not.
+    torch_dir: str
+
+    def __str__(self) -> str:
+        return ";".join(f"{f.name}={quote(getattr(self, f.name), safe='')}" for f in dataclasses.fields(self))
+
+    @classmethod
+    def parse(cls, text: str) -> BuildKey:
+        values = {}
+        for part in text.split(";"):
+            name, sep, value = part.partition("=")
+            if not sep:
+                raise ValueError(f"not a build key: {text!r}")
+            values[name] = unquote(value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, str]) -> BuildKey:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - d.keys()
+        if missing:
+            raise ValueError(f"build key lacks {sorted(missing)}")
+        return cls(**{k: str(d[k]) for k in names})
+
+    @property
+    def tag(self) -> str:
+        """``torch<version>-<commit12>-<gpu-or-cpu>``, the variable part of an artifact's file name."""
+        version = self.torch_version.split("+")[0]
+        return f"torch{version}-{self.torch_git[:12]}-{device_slug(self)}"
+
+
+def device_slug(key: BuildKey) -> str:
+    if key.device_type != "cuda":
+        return key.device_type
+    name = re.sub(r"^nvidia\s+", "", key.gpu_name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
+
+
+def differences(built: BuildKey, here: BuildKey) -> list[tuple[str, str, str]]:
+    """(field, artifact value, value here) for every field that would make the artifact miss here."""
+    diffs = []
+    for f in dataclasses.fields(BuildKey):
+        if f.name == "torch_dir" and built.device_type != "cpu":
+            continue  # Triton kernels carry no install paths
+        a, b = getattr(built, f.name), getattr(here, f.name)
+        if a != b:
+            diffs.append((f.name, a, b))
+    return diffs
+
+
+def probe(device_type: str, device_index: int = 0) -> BuildKey:
+    """The build key of this process for ``device_type`` ("cuda" or "cpu"). Imports torch; CUDA is initialized."""
+    import os
+
+    import torch
+
+    from torch._inductor.codecache import torch_key
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = NONE
+    gpu_name = capability = NONE
+    if device_type == "cuda":
+        props = torch.cuda.get_device_properties(device_index)
+        gpu_name = props.name
+        capability = f"{props.major}.{props.minor}"
+    return BuildKey(
+        torch_version=torch.__version__,
+        torch_git=torch.version.git_version or NONE,
+        torch_key=torch_key().hex(),
+        cuda=torch.version.cuda or NONE,
+        triton=triton_version,
+        python=f"{sys.version_info.major}.{sys.version_info.minor}",
+        platform=f"{sys.platform}-{platform.machine()}",
+        device_type=device_type,
+        gpu_name=gpu_name,
+        capability=capability,
+        torch_dir=os.path.dirname(torch.__file__) if device_type == "cpu" else NONE,
+    )

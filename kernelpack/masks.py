@@ -1,0 +1,110 @@
+"""Canonical mask_mods and the BlockMask helper that the builder and every worker must share.
+
+The FX-graph cache key includes the mask_mod's traced graph, so the *order of operations* matters:
+``(q >= kv) & (q - kv < w)`` and ``(q - kv < w) & (q >= kv)`` are different cache entries (see
+../shared/FINDINGS.md). These functions are frozen: changing one invalidates every published artifact.
+The function name, module and argument names do not enter the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .errors import KernelpackError
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from .recipe import Config
+
+MaskMod = Callable[..., Any]
+
+
+@functools.cache
+def sliding_window(window: int) -> MaskMod:
+    """Causal sliding window: query q attends to kv in (q - window, q]."""
+
+    def sliding_window_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return sliding_window_mask
+
+
+@functools.cache
+def sliding_window_bidirectional(window: int) -> MaskMod:
+    """Bidirectional sliding window: |q - kv| < window."""
+
+    def sliding_window_bidirectional_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
+
+    return sliding_window_bidirectional_mask
+
+
+BUILTIN = {"sliding_window": sliding_window, "sliding_window_bidirectional": sliding_window_bidirectional}
+
+
+def mask_for(config: Config) -> MaskMod:
+    """The mask_mod a config was built with: a built-in, or ``factory(config)`` for ``mask = "pkg.mod:factory"``."""
+    if config.mask in BUILTIN:
+        assert config.window is not None
+        return BUILTIN[config.mask](config.window)
+    factory = load_factory(config.mask)
+    try:
+        mask_mod = factory(config)
+    except Exception as e:
+        raise KernelpackError(
+            f"mask factory {config.mask!r} failed for config {config.id}: {type(e).__name__}: {e}",
+            hint="the factory is called with the kernelpack Config and must return a mask_mod(b, h, q_idx, kv_idx)",
+        ) from e
+    if not callable(mask_mod):
+        raise KernelpackError(
+            f"mask factory {config.mask!r} returned {type(mask_mod).__name__}, not a mask_mod",
+            hint="return a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor",
+        )
+    return mask_mod
+
+
+def load_factory(spec: str) -> Callable[[Config], MaskMod]:
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise KernelpackError(
+            f"mask {spec!r}: cannot import module {module_name!r}: {e}",
+            hint="the module must be importable in the builder and in every worker (pip install it or set PYTHONPATH)",
+        ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise KernelpackError(
+                f"mask {spec!r}: module {module_name!r} has no attribute {attr!r}",
+                hint="mask = 'package.module:factory' names a function that takes a Config and returns a mask_mod",
+            ) from None
+    return obj  # type: ignore[no-any-return]
+
+
+def block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: str | Any, *, batch: int | None = None,
+               heads: int | None = None) -> BlockMask:
+    """The BlockMask exactly as the builder makes it.
+
+    Its tensors are graph inputs, so their shapes are part of the cache key: keep B/H as None (broadcast) unless the
+    mask really depends on the batch or head index, and use the default BLOCK_SIZE. A mask_mod may say it needs
+    per-batch or per-head blocks by carrying ``per_batch = True`` / ``per_head = True`` attributes.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if getattr(mask_mod, "per_batch", False) and batch is None:
+        raise KernelpackError("this mask_mod is per-batch: pass batch=", hint="block_mask(..., batch=B)")
+    if getattr(mask_mod, "per_head", False) and heads is None:
+        raise KernelpackError("this mask_mod is per-head: pass heads=", hint="block_mask(..., heads=H)")
+    b = batch if getattr(mask_mod, "per_batch", False) else None
+    h = heads if getattr(mask_mod, "per_head", False) else None
+    return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device)
+
+
+def block_mask_for(config: Config, device: str | Any) -> BlockMask:
+    return block_mask(mask_for(config), config.q_len, config.kv_len, device, batch=config.batch, heads=config.q_heads)

@@ -1,0 +1,146 @@
+"""Run one config through the canonical entry point, and check it against a reference computed without flex.
+
+Builder and verifier both call :func:`run_config`, so what is verified is exactly what was built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .masks import block_mask_for, mask_for
+from .runtime import compiled_flex_attention, flex_attention
+
+if TYPE_CHECKING:
+    import torch
+
+    from .recipe import Config
+
+# ||out - ref|| / ||ref|| bounds: inputs are rounded to the dtype first, so only the kernel's arithmetic is judged.
+# fp32 on CUDA runs the matmuls in tf32 (about 3e-4); bf16 gradients accumulate over the whole window.
+TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 3e-2}
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    seconds: float  # wall time of the first canonical call (forward, and backward when built), synchronized
+    errors: dict[str, float]  # relative error per output/gradient (empty when not checked)
+
+
+def make_inputs(config: Config, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    import torch
+
+    seed = int(hashlib.sha256(config.id.encode()).hexdigest()[:8], 16)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, config.dtype)
+
+    def rand(heads: int, length: int) -> torch.Tensor:
+        t = torch.randn(config.batch, heads, length, config.head_dim, generator=gen, dtype=torch.float32)
+        return t.to(device=device, dtype=dtype).requires_grad_(config.backward)
+
+    return rand(config.q_heads, config.q_len), rand(config.kv_heads, config.kv_len), rand(config.kv_heads, config.kv_len)
+
+
+def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult:
+    """The canonical call: fresh inputs, the canonical BlockMask, forward (+ backward), then the reference check."""
+    import torch
+
+    q, k, v = make_inputs(config, device)
+    bm = block_mask_for(config, device)
+    # The public wrapper for the default options, so that verify proves what users call.
+    fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else compiled_flex_attention(
+        config.mode, config.dynamic
+    )
+    _sync(device)
+    start = time.perf_counter()
+    out = fn(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa, kernel_options=dict(config.kernel_options) or None)
+    grads: tuple[torch.Tensor, ...] = ()
+    if config.backward:
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        dout = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=out.dtype)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    errors: dict[str, float] = {}
+    if check:
+        ref = reference_attention(config, q, k, v, dout if config.backward else None)
+        got = (out, *grads)
+        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            errors[name] = _rel_error(g, r)
+    return CallResult(seconds=seconds, errors=errors)
+
+
+def check_errors(config: Config, errors: dict[str, float]) -> str | None:
+    """A message naming what is off, or None when every output is within the dtype's tolerance."""
+    tol = TOLERANCE[config.dtype]
+    bad = {k: v for k, v in errors.items() if not (v <= tol)}  # NaN fails too
+    if bad:
+        detail = ", ".join(f"{k} rel. error {v:.2e}" for k, v in bad.items())
+        return f"compiled output differs from the reference: {detail} (tolerance {tol:.0e} for {config.dtype})"
+    return None
+
+
+def _rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got64 = got.detach().to(ref.device, ref.dtype)
+    denom = ref.norm().item()
+    return float((got64 - ref).norm().item() / (denom if denom > 0 else 1.0))
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reference_attention(
+    config: Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, chunk: int = 1024
+) -> tuple[torch.Tensor, ...]:
+    """Masked softmax attention in float64, without flex: forward and, given ``dout``, the exact gradients.
+
+    Written out (not autograd) and chunked over query rows so that even 16k-long sequences never hold a full score
+    matrix: memory is one ``chunk x kv_len`` block per step. Rows the mask empties produce 0, like flex_attention.
+    """
+    import torch
+
+    mask_mod = mask_for(config)
+    dev = q.device
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    do64 = dout.double() if dout is not None else None
+    scale = config.head_dim**-0.5
+    group = config.q_heads // config.kv_heads
+    out = torch.zeros_like(q64)
+    dq = torch.zeros_like(q64) if do64 is not None else None
+    dk = torch.zeros_like(k64) if do64 is not None else None
+    dv = torch.zeros_like(v64) if do64 is not None else None
+    kv_idx = torch.arange(config.kv_len, device=dev)[None, :]
+    for b in range(config.batch):
+        b_t = torch.tensor(b, device=dev)
+        for h in range(config.q_heads):
+            hk = h // group
+            h_t = torch.tensor(h, device=dev)
+            kk, vv = k64[b, hk], v64[b, hk]
+            for i0 in range(0, config.q_len, chunk):
+                i1 = min(i0 + chunk, config.q_len)
+                q_idx = torch.arange(i0, i1, device=dev)[:, None]
+                allowed = mask_mod(b_t, h_t, q_idx, kv_idx).expand(i1 - i0, config.kv_len)
+                s = (q64[b, h, i0:i1] @ kk.T) * scale
+                s = s.masked_fill(~allowed, float("-inf"))
+                lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                p = torch.exp(s - lse).nan_to_num(0.0)  # fully masked rows: -inf - -inf
+                o = p @ vv
+                out[b, h, i0:i1] = o
+                if do64 is not None:
+                    assert dq is not None and dk is not None and dv is not None
+                    do = do64[b, h, i0:i1]
+                    dp = do @ vv.T
+                    ds = p * (dp - (do * o).sum(-1, keepdim=True))
+                    dq[b, h, i0:i1] = (ds @ kk) * scale
+                    dk[b, hk] += (ds.T @ q64[b, h, i0:i1]) * scale
+                    dv[b, hk] += p.T @ do
+    if do64 is None:
+        return (out,)
+    assert dq is not None and dk is not None and dv is not None
+    return out, dq, dk, dv
