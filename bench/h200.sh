@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
+#   bash bench/h200.sh [tests|build|bench|all]
+# Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+what=${1:-all}
+python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.git_version, "triton", triton.__version__, torch.cuda.get_device_name(0))' | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >> "$OUT/env.txt"
+ART_DIR=/tmp/kp-art
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+fi
+if [[ $what == build || $what == all ]]; then
+  rm -rf $ART_DIR; mkdir -p $ART_DIR
+  /usr/bin/time -v python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o $ART_DIR --jobs 6 2>&1 | tee "$OUT/build.log"
+  python3 -m kernelpack.cli inspect --json $ART_DIR/*.kpack > "$OUT/manifest.json"
+  python3 -m kernelpack.cli verify --json $ART_DIR/*.kpack > "$OUT/verify.json"; echo "verify exit $?" | tee -a "$OUT/build.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench/warm_start.py --artifact $ART_DIR/*.kpack --repeats 3 --cold-repeats 1 --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log"
+fi

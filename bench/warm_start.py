@@ -1,0 +1,154 @@
+"""Time-to-first-step over all configs of a recipe, side by side in one run, each sample a fresh subprocess:
+
+  (a) cold      empty TORCHINDUCTOR_CACHE_DIR: compile everything
+  (b) warm      the same cache dir (a) filled: torch's native warm start
+  (c) mega      torch.compiler.load_cache_artifacts() of the blob (a) saved, into an empty dir (load time included)
+  (d) kernelpack kernelpack.install() of the artifact into an empty dir (install time included)
+
+Time-to-first-step = preparation (load/install) + the first canonical call of every config (forward, and backward
+when built), synchronized. Import of torch/kernelpack and CUDA init are excluded for all four alike.
+Prints a Markdown table; writes everything to --out as JSON.
+
+    python bench/warm_start.py --artifact out/dflash-drafter-....kpack --repeats 3 --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> None:
+    import torch
+
+    from kernelpack import evidence
+    from kernelpack.artifact import read_manifest
+    from kernelpack.recipe import Config
+    from kernelpack.workload import run_config
+
+    evidence.install_hooks()
+    manifest = read_manifest(artifact)
+    configs = [Config.from_dict(c["params"]) for c in manifest.data["configs"]]
+    if any(c.device == "cuda" for c in configs):
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")
+    prep = 0.0
+    t0 = time.perf_counter()
+    if mode == "mega":
+        torch.compiler.load_cache_artifacts(Path(blob).read_bytes())
+        prep = time.perf_counter() - t0
+    elif mode == "kernelpack":
+        from kernelpack.install import install
+
+        install(artifact, cache_dir)
+        prep = time.perf_counter() - t0
+    before = evidence.snapshot()
+    calls = []
+    for c in configs:
+        device = "cpu" if c.device == "cpu" else "cuda:0"
+        calls.append(run_config(c, device, check=False).seconds)
+    counters = evidence.delta(before, evidence.snapshot())
+    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters,
+           "torch": torch.__version__, "git": torch.version.git_version}
+    if mode == "cold":
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(blob).write_bytes(saved[0])
+            out["blob_bytes"] = len(saved[0])
+    Path(result).write_text(json.dumps(out))
+
+
+def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: float) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
+    env.pop("TRITON_CACHE_DIR", None)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    cmd = [sys.executable, __file__, "--child", mode, str(cache_dir), artifact, str(blob), result]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode != 0:
+        sys.exit(f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    data = json.loads(Path(result).read_text())
+    os.unlink(result)
+    return data
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and "locks" not in p.parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cold-repeats", type=int, default=None, help="default: --repeats")
+    ap.add_argument("--out", default="warm_start.json")
+    ap.add_argument("--timeout", type=float, default=1200)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kp-bench-"))
+    samples: dict[str, list[dict]] = {m: [] for m in ("cold", "warm", "mega", "kernelpack")}
+    warm_dir, blob = work / "warm", work / "mega.bin"
+    try:
+        cold_repeats = args.cold_repeats or args.repeats
+        for i in range(max(args.repeats, cold_repeats)):
+            # Interleave the modes so drift (clocks, page cache) hits all of them alike.
+            if i < cold_repeats:
+                d = warm_dir if i == 0 else work / f"cold{i}"
+                samples["cold"].append(run_child("cold", d, args.artifact, blob if i == 0 else work / "x.bin",
+                                                 args.timeout))
+            if i < args.repeats:
+                samples["warm"].append(run_child("warm", warm_dir, args.artifact, blob, args.timeout))
+                for mode in ("mega", "kernelpack"):
+                    d = work / f"{mode}{i}"
+                    samples[mode].append(run_child(mode, d, args.artifact, blob, args.timeout))
+                    shutil.rmtree(d, ignore_errors=True)
+        raw = dir_bytes(warm_dir)
+        from kernelpack.artifact import read_manifest
+
+        manifest = read_manifest(args.artifact)
+        summary = {
+            m: {"median_total": statistics.median(s["total"] for s in v),
+                "median_prep": statistics.median(s["prep"] for s in v),
+                "totals": [s["total"] for s in v],
+                "counters": v[0]["counters"]}
+            for m, v in samples.items()
+        }
+        cold = summary["cold"]["median_total"]
+        warm = summary["warm"]["median_total"]
+        kp = summary["kernelpack"]["median_total"]
+        sizes = {"raw_cache_bytes": raw, "manifest_bytes": manifest.total_size,
+                 "artifact_bytes": os.path.getsize(args.artifact),
+                 "mega_blob_bytes": samples["cold"][0].get("blob_bytes")}
+        result = {"summary": summary, "sizes": sizes, "samples": samples, "configs": len(manifest.data["configs"]),
+                  "torch": samples["cold"][0]["torch"], "git": samples["cold"][0]["git"],
+                  "speedup_vs_cold": cold / kp, "ratio_vs_warm": kp / warm,
+                  "artifact_over_raw": sizes["artifact_bytes"] / raw}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"| mode | time-to-first-step, median of {args.repeats} (s) | of which load/install (s) | samples |")
+        print("|---|---|---|---|")
+        for m in samples:
+            s = summary[m]
+            print(f"| {m} | {s['median_total']:.2f} | {s['median_prep']:.3f} | "
+                  f"{', '.join(f'{x:.2f}' for x in s['totals'])} |")
+        print(f"\nkernelpack vs cold: {cold / kp:.1f}x faster; vs native warm: {kp / warm:.2f}x")
+        print(f"raw cache {raw / 2**20:.1f} MiB, artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB "
+              f"({sizes['artifact_bytes'] / raw:.2f}x), mega-cache blob "
+              f"{(sizes['mega_blob_bytes'] or 0) / 2**20:.1f} MiB")
+        for m in samples:
+            print(m, "counters:", {k: v for k, v in summary[m]["counters"].items() if v})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(*sys.argv[2:7])
+    else:
+        main()

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "recipes" / "smoke-cpu.toml"
+
+
+def tree_digest(root: Path) -> str:
+    """Every path, type, mode and content under root: equal digests mean the tree is byte-for-byte the same."""
+    h = hashlib.sha256()
+    if not root.exists():
+        return "absent"
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath, name)
+            st = p.lstat()
+            h.update(f"{p.relative_to(root)}\0{st.st_mode}\0".encode())
+            if p.is_file() and not p.is_symlink():
+                h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def smoke_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smoke recipe built once per session through the CLI, exactly as the README says."""
+    from kernelpack.cli import main
+
+    out = tmp_path_factory.mktemp("smoke")
+    assert main(["build", str(SMOKE), "-o", str(out), "--jobs", "2"]) == 0
+    (artifact,) = out.glob("*.kpack")
+    return artifact
+
+
+def has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,84 @@
+"""CUDA end-to-end: build forward+backward on the GPU, verify zero misses, and show the counters can fail."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernelpack import artifact as art
+from kernelpack.build import build
+from kernelpack.errors import VerifyError
+from kernelpack.verify import verify
+
+pytestmark = pytest.mark.gpu
+RECIPE = Path(__file__).parent / "data" / "gpu-small.toml"
+
+
+@pytest.fixture(scope="module")
+def gpu_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    result = build(RECIPE, tmp_path_factory.mktemp("gpu"), jobs=2)
+    assert result.artifact is not None and not result.failed
+    return result.artifact
+
+
+def test_build_records_gpu_key_and_reference_errors(gpu_artifact: Path) -> None:
+    import torch
+
+    m = art.read_manifest(gpu_artifact).data
+    assert m["build_key"]["device_type"] == "cuda"
+    assert m["build_key"]["gpu_name"] == torch.cuda.get_device_name(0)
+    assert m["build_key"]["torch_git"] == torch.version.git_version
+    assert len(m["configs"]) == 2 and all(c["compile_seconds"] > 0 for c in m["configs"])
+    assert all(0 < c["max_rel_error"] < 3e-2 for c in m["configs"])
+    assert any(f["path"].startswith("triton/0/") for f in m["files"])
+
+
+def test_verify_zero_misses_forward_and_backward(gpu_artifact: Path) -> None:
+    report = verify(gpu_artifact, check=True)
+    t = report.data["totals"]
+    assert t["inductor.fxgraph_cache_miss"] == 0 and t["aot_autograd.autograd_cache_miss"] == 0
+    assert t["triton_compiled"] == 0 and t["dense_calls"] == 0
+    # forward and backward graphs were both served from the cache
+    assert t["inductor.fxgraph_cache_hit"] >= 2 * len(report.data["configs"])
+
+
+def test_verify_fails_when_the_triton_kernels_are_missing(gpu_artifact: Path, tmp_path: Path) -> None:
+    """Drop every Triton file and FX entry of the artifact: verify must see real compiles and fail."""
+    m = art.read_manifest(gpu_artifact)
+    entries = [e for e in m.files.values() if not e.path.startswith(("triton/", "fxgraph/"))]
+    src = tmp_path / "src"
+    keep = {}
+    for member in art.iter_members(gpu_artifact, m):
+        dest = src / member.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if member.link_to is not None:
+            dest.write_bytes((src / member.link_to).read_bytes())
+        else:
+            with open(dest, "wb") as f:
+                member.write(f)
+        if any(e.path == member.path for e in entries):
+            keep[member.path] = dest
+    data = dict(m.data, files=[{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries])
+    broken = tmp_path / "broken.kpack"
+    art.pack(broken, data, keep, entries)
+    with pytest.raises(VerifyError) as exc:
+        verify(broken)
+    assert "FX-graph cache misses" in str(exc.value) and "Triton kernels compiled" in str(exc.value)
+
+
+def test_cold_compile_is_seen_by_the_triton_listener(tmp_path: Path) -> None:
+    code = (
+        "import json, torch; from kernelpack import evidence; evidence.install_hooks();"
+        "from kernelpack.recipe import load_recipe; from kernelpack.workload import run_config;"
+        f"c = load_recipe({str(RECIPE)!r}).configs[0]; s = evidence.snapshot(); run_config(c, 'cuda:0', check=False);"
+        "print(json.dumps(evidence.delta(s, evidence.snapshot())))"
+    )
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_COMPILE_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    d = json.loads(out.strip().splitlines()[-1])
+    assert d["triton_compiled"] > 0 and d["inductor.fxgraph_cache_miss"] >= 2

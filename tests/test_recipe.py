@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kernelpack.errors import RecipeError
+from kernelpack.recipe import Config, load_recipe, parse_recipe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def base(**over: object) -> dict:
+    data: dict = {
+        "name": "t",
+        "description": "d",
+        "device": "cuda",
+        "mask": "sliding_window",
+        "windows": [128, 256],
+        "matrix": {"batch": 1, "q_heads": 8, "kv_heads": 2, "seq_len": [1024, 2048], "head_dim": 64,
+                   "dtypes": ["bfloat16", "float16"], "backward": True},
+    }
+    for k, v in over.items():
+        if k.startswith("matrix."):
+            data["matrix"][k[7:]] = v
+        elif v is None:
+            data.pop(k)
+        else:
+            data[k] = v
+    return data
+
+
+def test_shipped_recipes_parse() -> None:
+    smoke = load_recipe(ROOT / "recipes" / "smoke-cpu.toml")
+    assert smoke.device == "cpu" and all(not c.backward for c in smoke.configs)
+    drafter = load_recipe(ROOT / "recipes" / "dflash-drafter.toml")
+    assert len(drafter.configs) == 6
+    assert {(c.q_len, c.window) for c in drafter.configs} == {
+        (s, w) for s in (4096, 8192, 16384) for w in (1024, 2048)
+    }
+    assert all(c.enable_gqa and c.q_heads == 32 and c.kv_heads == 8 and c.head_dim == 128 for c in drafter.configs)
+
+
+def test_expansion_is_the_full_product_with_stable_unique_ids() -> None:
+    r = parse_recipe(base())
+    assert len(r.configs) == 2 * 2 * 2  # windows x seq_len x dtypes
+    ids = [c.id for c in r.configs]
+    assert len(set(ids)) == len(ids)
+    assert ids == [c.id for c in parse_recipe(base()).configs]
+    # the id is a function of the parameters alone, and changes with any of them
+    c = r.configs[0]
+    assert Config.from_dict(c.to_dict()).id == c.id
+    assert Config.from_dict({**c.to_dict(), "window": c.window + 1}).id != c.id  # type: ignore[operator]
+    assert r.sha256 == parse_recipe(base()).sha256 != parse_recipe(base(windows=[128])).sha256
+
+
+def test_q_len_kv_len_and_scalar_axes() -> None:
+    data = base(**{"matrix.q_len": 512, "matrix.kv_len": [1024, 2048]})
+    del data["matrix"]["seq_len"]
+    r = parse_recipe(data)
+    assert {(c.q_len, c.kv_len) for c in r.configs} == {(512, 1024), (512, 2048)}
+
+
+def test_custom_mask_import_path_without_windows() -> None:
+    r = parse_recipe(base(mask="mypkg.masks:anchor_window", windows=None))
+    assert {c.window for c in r.configs} == {None} and r.configs[0].mask == "mypkg.masks:anchor_window"
+
+
+@pytest.mark.parametrize(
+    "over, key, fragment",
+    [
+        ({"colour": "red"}, "colour", "unknown key"),
+        ({"matrix.heads": 4}, "matrix.heads", "unknown key"),
+        ({"device": "tpu"}, "device", "'tpu'"),
+        ({"mask": "causal"}, "mask", "unknown mask"),
+        ({"windows": []}, "windows", "must not be empty"),
+        ({"windows": [0]}, "windows", "positive integer"),
+        ({"windows": ["128"]}, "windows", "'128'"),
+        ({"matrix.seq_len": []}, "matrix.seq_len", "must not be empty"),
+        ({"matrix.head_dim": 64.0}, "matrix.head_dim", "64.0"),
+        ({"matrix.dtypes": ["bf16"]}, "matrix.dtypes", "'bf16'"),
+        ({"matrix.backward": "yes"}, "matrix.backward", "boolean"),
+        ({"matrix.kv_heads": 3}, "matrix.kv_heads", "not a multiple"),
+        ({"device": "cpu"}, "matrix.backward", "no backward on CPU"),
+        ({"name": ""}, "name", "must not be empty"),
+        ({"compile": {"mode": "fast"}}, "compile.mode", "'fast'"),
+        ({"compile": {"dynamic": "no"}}, "compile.dynamic", "boolean"),
+        ({"kernel_options": {"BLOCK_M": [64]}}, "kernel_options.BLOCK_M", "scalar"),
+    ],
+)
+def test_validation_names_file_key_value_and_allowed(over: dict, key: str, fragment: str) -> None:
+    with pytest.raises(RecipeError) as exc:
+        parse_recipe(base(**over), path="r.toml")
+    msg = str(exc.value)
+    assert msg.startswith(f"r.toml: {key}: "), msg
+    assert fragment in msg
+    assert exc.value.key == key
+
+
+def test_unknown_dtype_lists_allowed_values() -> None:
+    with pytest.raises(RecipeError, match=r"allowed: 'bfloat16', 'float16', 'float32'"):
+        parse_recipe(base(**{"matrix.dtypes": ["float64"]}))
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(RecipeError, match="not found"):
+        load_recipe(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(RecipeError, match=r"bad.toml: <toml>: not valid TOML"):
+        load_recipe(bad)
+
+
+def test_cli_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kernelpack.cli import main
+
+    bad = tmp_path / "r.toml"
+    bad.write_text('name = "x"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [64]\n'
+                   "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_len = 128\ndtypes = ['float32']\nbackward = true\n")
+    assert main(["build", str(bad), "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and "matrix.backward" in err and "hint: " in err and "Traceback" not in err
+    assert not list(tmp_path.glob("*.kpack"))
