@@ -41,6 +41,7 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         torch.cuda.init()
         torch.zeros(1, device="cuda")
     prep = 0.0
+    phases: dict[str, float] = {}
     t0 = time.perf_counter()
     if mode == "mega":
         torch.compiler.load_cache_artifacts(Path(blob).read_bytes())
@@ -48,15 +49,16 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
     elif mode == "kernelpack":
         from kernelpack.install import install
 
-        install(artifact, cache_dir)
+        r = install(artifact, cache_dir)
         prep = time.perf_counter() - t0
+        phases = r.timings
     before = evidence.snapshot()
     calls = []
     for c in configs:
         device = "cpu" if c.device == "cpu" else "cuda:0"
         calls.append(run_config(c, device, check=False).seconds)
     counters = evidence.delta(before, evidence.snapshot())
-    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters,
+    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters, "phases": phases,
            "torch": torch.__version__, "git": torch.version.git_version}
     if mode == "cold":
         saved = torch.compiler.save_cache_artifacts()

@@ -49,6 +49,7 @@ class InstallResult:
     seconds: float
     noop: bool  # the marker said this artifact was installed here already
     mismatches: list[tuple[str, str, str]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: manifest, probe, hash, extract
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -93,10 +94,13 @@ def install(
     compile reads it; a warning says so if torch already compiled with another directory.
     """
     start = time.perf_counter()
+    timings: dict[str, float] = {}
     path = str(artifact)
     manifest = art.read_manifest(path)
+    timings["manifest"] = time.perf_counter() - start
     built = _build_key(path, manifest)
     mismatches = differences(built, probe(built.device_type, device_index))
+    timings["probe"] = time.perf_counter() - start - sum(timings.values())
     if mismatches and not allow_mismatch:
         raise KeyMismatchError(path, mismatches)
     if mismatches:
@@ -104,20 +108,23 @@ def install(
                       "cache misses", KernelpackWarning, stacklevel=2)
     target = resolve_cache_dir(cache_dir)
     sha = art.sha256_file(path)
+    timings["hash"] = time.perf_counter() - start - sum(timings.values())
     if set_env:
         _point_inductor_at(target)
 
     marker = marker_path(target, sha)
     if _marker_valid(marker, target, manifest):
-        return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches)
+        return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches, timings=timings)
     with _node_lock(target):
         if _marker_valid(marker, target, manifest):  # another worker finished while we waited
-            return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches)
+            return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches, timings=timings)
+        t = time.perf_counter()
         written, present, kept, nbytes = _extract(path, manifest, target)
+        timings["extract"] = time.perf_counter() - t
         _write_marker(marker, {"artifact": os.path.basename(path), "sha256": sha, "name": manifest.data["name"],
                                "files": len(manifest.files), "installed_at": time.time()})
     return _result(path, sha, target, manifest, start, noop=False, mismatches=mismatches, written=written,
-                   present=present, kept=kept, nbytes=nbytes)
+                   present=present, kept=kept, nbytes=nbytes, timings=timings)
 
 
 def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
@@ -128,11 +135,11 @@ def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
 
 
 def _result(path: str, sha: str, target: Path, manifest: art.Manifest, start: float, *, noop: bool,
-            mismatches: list[tuple[str, str, str]], written: int = 0, present: int = 0, kept: int = 0,
-            nbytes: int = 0) -> InstallResult:
+            mismatches: list[tuple[str, str, str]], timings: dict[str, float], written: int = 0, present: int = 0,
+            kept: int = 0, nbytes: int = 0) -> InstallResult:
     return InstallResult(artifact=path, sha256=sha, cache_dir=str(target), files=len(manifest.files),
                          written=written, present=present, kept=kept, bytes_written=nbytes,
-                         seconds=time.perf_counter() - start, noop=noop, mismatches=mismatches)
+                         seconds=time.perf_counter() - start, noop=noop, mismatches=mismatches, timings=timings)
 
 
 def _point_inductor_at(target: Path) -> None:
@@ -221,12 +228,15 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> tuple[int, int,
             written += 1
             nbytes += size
         return written, present, kept, nbytes
-    except KernelpackError:
+    except BaseException as e:
+        # Staging first, then the directories this call created: the target ends exactly as it was.
+        for stage in stages.values():
+            shutil.rmtree(stage, ignore_errors=True)
+        stages.clear()
         _rollback_dirs(created_roots)
+        if isinstance(e, OSError) and not isinstance(e, KernelpackError):
+            raise InstallError(str(target), f"{type(e).__name__}: {e}") from e
         raise
-    except OSError as e:
-        _rollback_dirs(created_roots)
-        raise InstallError(str(target), f"{type(e).__name__}: {e}") from e
     finally:
         for stage in stages.values():
             shutil.rmtree(stage, ignore_errors=True)

@@ -1,0 +1,205 @@
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kernelpack import artifact as art
+from kernelpack.errors import ArtifactError, ArtifactNotFoundError
+
+
+def make_tree(root: Path) -> dict[str, bytes]:
+    content = {
+        "fxgraph/ab/fabc/entry": b"fx-entry" * 100,
+        "triton/0/HASH/kernel.cubin": b"\x7fELF-cubin" * 50,
+        "triton/0/HASH/kernel.json": b'{"name": "kernel"}',
+        "triton/0/OTHER/kernel.cubin": b"\x7fELF-cubin" * 50,  # same bytes as the first cubin: stored once
+        "aotautograd/aa/entry": b"aot",
+        "locks/x.lock": b"",  # never shipped
+    }
+    for rel, data in content.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+    return {k: v for k, v in content.items() if not k.startswith("locks/")}
+
+
+def manifest_for(entries: list[art.FileEntry], **extra: object) -> dict:
+    return {
+        "format": art.FORMAT_VERSION, "name": "t.kpack", "recipe": {"name": "t"}, "configs": [],
+        "build_key": {}, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
+        **extra,
+    }
+
+
+def pack_tree(root: Path, out: Path, threads: int = -1) -> tuple[dict, list[art.FileEntry]]:
+    files = art.scan_tree(root)
+    entries = art.hash_files(files)
+    manifest = manifest_for(entries)
+    art.pack(out, manifest, files, entries, threads=threads)
+    return manifest, entries
+
+
+def test_pack_is_deterministic_and_independent_of_threads(tmp_path: Path) -> None:
+    make_tree(tmp_path / "a")
+    make_tree(tmp_path / "b")  # another directory, other mtimes/inodes
+    pack_tree(tmp_path / "a", tmp_path / "1.kpack", threads=1)
+    pack_tree(tmp_path / "b", tmp_path / "2.kpack", threads=4)
+    pack_tree(tmp_path / "a", tmp_path / "3.kpack", threads=-1)
+    one = (tmp_path / "1.kpack").read_bytes()
+    assert one == (tmp_path / "2.kpack").read_bytes() == (tmp_path / "3.kpack").read_bytes()
+    (tmp_path / "b" / "aotautograd" / "aa" / "entry").write_bytes(b"changed")
+    pack_tree(tmp_path / "b", tmp_path / "4.kpack")
+    assert (tmp_path / "4.kpack").read_bytes() != one
+
+
+def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path) -> None:
+    content = make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    raw = zstandard.ZstdDecompressor().decompressobj().decompress((tmp_path / "a.kpack").read_bytes())
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        members = tar.getmembers()
+        assert members[0].name == "manifest.json"
+        names = [m.name for m in members[1:]]
+        assert names == sorted(names) == ["cache/" + k for k in sorted(content)]
+        links = [m for m in members if m.islnk()]
+        assert [(m.name, m.linkname) for m in links] == [
+            ("cache/triton/0/OTHER/kernel.cubin", "cache/triton/0/HASH/kernel.cubin")
+        ]
+        assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
+        # a plain tar reader gets the cache tree back
+        tar.extractall(tmp_path / "x", filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(
+            tmp_path / "x")
+    for rel, data in content.items():
+        assert (tmp_path / "x" / "cache" / rel).read_bytes() == data
+
+
+def test_read_manifest_without_extracting(tmp_path: Path) -> None:
+    make_tree(tmp_path / "t")
+    manifest, entries = pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    m = art.read_manifest(tmp_path / "a.kpack")
+    assert m.data == manifest and set(m.files) == {e.path for e in entries}
+
+
+def consume(path: Path, m: art.Manifest) -> dict[str, bytes]:
+    got: dict[str, bytes] = {}
+    for member in art.iter_members(path, m):
+        if member.link_to:
+            got[member.path] = got[member.link_to]
+        else:
+            buf = io.BytesIO()
+            member.write(buf)
+            got[member.path] = buf.getvalue()
+    return got
+
+
+def test_iter_members_round_trip(tmp_path: Path) -> None:
+    content = make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    assert consume(tmp_path / "a.kpack", art.read_manifest(tmp_path / "a.kpack")) == content
+
+
+def test_missing_and_not_an_artifact(tmp_path: Path) -> None:
+    with pytest.raises(ArtifactNotFoundError):
+        art.read_manifest(tmp_path / "nope.kpack")
+    (tmp_path / "x.kpack").write_bytes(b"hello, not zstd")
+    with pytest.raises(ArtifactError, match="corrupt or truncated"):
+        art.read_manifest(tmp_path / "x.kpack")
+
+
+@pytest.mark.parametrize("cut", [0.3, 0.6, 0.95])
+def test_truncated_artifact_is_rejected(tmp_path: Path, cut: float) -> None:
+    make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    m = art.read_manifest(tmp_path / "a.kpack")
+    data = (tmp_path / "a.kpack").read_bytes()
+    (tmp_path / "a.kpack").write_bytes(data[: int(len(data) * cut)])
+    with pytest.raises(ArtifactError):
+        art.read_manifest(tmp_path / "a.kpack")
+        consume(tmp_path / "a.kpack", m)
+
+
+def raw_artifact(path: Path, manifest: dict, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+    """Write an arbitrary (possibly hostile) archive: kernelpack's reader must judge it, not this writer."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        blob = json.dumps(manifest).encode()
+        ti = tarfile.TarInfo("manifest.json")
+        ti.size = len(blob)
+        tar.addfile(ti, io.BytesIO(blob))
+        for ti, data in members:
+            tar.addfile(ti, io.BytesIO(data) if data is not None else None)
+    path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+
+
+def entry(rel: str, data: bytes) -> art.FileEntry:
+    import hashlib
+
+    return art.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
+
+
+def reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
+    ti = tarfile.TarInfo(name)
+    ti.size = len(data)
+    return ti, data
+
+
+def special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname = kind, linkname
+    return ti, None
+
+
+@pytest.mark.parametrize(
+    "listed, members, fragment",
+    [
+        (["../evil"], [reg("cache/../evil", b"x")], "unsafe"),
+        (["a"], [reg("/etc/a", b"x")], "outside cache/"),
+        (["a"], [reg("cache/a", b"x"), reg("cache/a", b"x")], "duplicate member"),
+        (["a"], [reg("cache/b", b"x")], "not listed"),
+        (["a"], [special("cache/a", tarfile.SYMTYPE, "/etc/passwd")], "not allowed"),
+        (["a"], [special("cache/a", tarfile.LNKTYPE, "/etc/passwd")], "hard link"),
+        (["a"], [special("cache/a", tarfile.CHRTYPE)], "not allowed"),
+        (["a"], [special("cache/a", tarfile.FIFOTYPE)], "not allowed"),
+        (["a", "b"], [reg("cache/a", b"x")], "missing"),
+        (["a"], [reg("cache/a", b"y")], "sha256 differs"),
+        (["a"], [reg("cache/a", b"xx")], "size"),
+        (["a/./b"], [reg("cache/a/./b", b"x")], "unsafe"),
+    ],
+)
+def test_hostile_or_inconsistent_members_are_rejected(tmp_path: Path, listed: list[str], members: list,
+                                                      fragment: str) -> None:
+    entries = [entry(rel, b"x") for rel in listed]
+    path = tmp_path / "h.kpack"
+    raw_artifact(path, manifest_for(entries), members)
+    with pytest.raises(ArtifactError, match=fragment):
+        m = art.read_manifest(path)
+        consume(path, m)
+
+
+def test_decompression_bomb_is_capped_from_the_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    monkeypatch.setenv("KERNELPACK_MAX_EXPANDED_BYTES", "100")
+    with pytest.raises(ArtifactError, match="over the cap"):
+        art.read_manifest(tmp_path / "a.kpack")
+
+
+def test_member_larger_than_declared_total_is_refused(tmp_path: Path) -> None:
+    big = b"z" * 4096
+    e = entry("a", big)
+    lying = manifest_for([art.FileEntry("a", 10, e.sha256)])
+    raw_artifact(tmp_path / "b.kpack", lying, [reg("cache/a", big)])
+    with pytest.raises(ArtifactError, match="size"):
+        consume(tmp_path / "b.kpack", art.read_manifest(tmp_path / "b.kpack"))
+
+
+def test_scan_refuses_symlinks(tmp_path: Path) -> None:
+    make_tree(tmp_path / "t")
+    (tmp_path / "t" / "fxgraph" / "link").symlink_to("/etc/passwd")
+    with pytest.raises(ArtifactError, match="non-regular"):
+        art.scan_tree(tmp_path / "t")

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from conftest import repack, tree_digest
+from kernelpack import artifact as art
+from kernelpack.cli import main
+from kernelpack.errors import ArtifactError, KeyMismatchError
+from kernelpack.install import KernelpackWarning, install, marker_path
+
+
+def assert_installed(target: Path, artifact: Path) -> None:
+    m = art.read_manifest(artifact)
+    for rel, e in m.files.items():
+        p = target / rel
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == e.sha256, rel
+    leftovers = [p for p in target.iterdir() if p.name.startswith(".kernelpack-tmp")]
+    assert not leftovers
+
+
+def test_install_into_empty_dir_then_noop(smoke_artifact: Path, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    target = tmp_path / "cache"
+    r = install(smoke_artifact, target)
+    assert not r.noop and r.written == r.files == len(art.read_manifest(smoke_artifact).files)
+    assert_installed(target, smoke_artifact)
+    assert marker_path(target, r.sha256).is_file()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(target)  # the API points inductor at it
+    before = tree_digest(target)
+    again = install(smoke_artifact, target)
+    assert again.noop and again.written == 0 and tree_digest(target) == before
+
+
+def test_default_target_is_torchinductor_cache_dir(smoke_artifact: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "env-cache"))
+    r = install(smoke_artifact)
+    assert r.cache_dir == str(tmp_path / "env-cache")
+    assert_installed(tmp_path / "env-cache", smoke_artifact)
+
+
+def test_marker_is_not_trusted_when_files_vanished(smoke_artifact: Path, tmp_path: Path) -> None:
+    r = install(smoke_artifact, tmp_path / "c")
+    victim = next(iter(art.read_manifest(smoke_artifact).files))
+    (tmp_path / "c" / victim).unlink()
+    r2 = install(smoke_artifact, tmp_path / "c")
+    assert not r2.noop and r2.written == 1 and r2.present == r.files - 1
+    assert_installed(tmp_path / "c", smoke_artifact)
+
+
+def corrupt_copy(src: Path, dst: Path, offset_fraction: float) -> Path:
+    data = bytearray(src.read_bytes())
+    i = int(len(data) * offset_fraction)
+    data[i] ^= 0xFF
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+@pytest.mark.parametrize("where", [0.5, 0.9])
+@pytest.mark.parametrize("prepopulated", [False, True])
+def test_corrupt_artifact_leaves_target_exactly_as_it_was(smoke_artifact: Path, tmp_path: Path, where: float,
+                                                          prepopulated: bool) -> None:
+    target = tmp_path / "cache"
+    if prepopulated:
+        (target / "fxgraph" / "zz").mkdir(parents=True)
+        (target / "fxgraph" / "zz" / "existing").write_bytes(b"someone else's entry")
+    before = tree_digest(target)
+    bad = corrupt_copy(smoke_artifact, tmp_path / "bad.kpack", where)
+    with pytest.raises(ArtifactError):
+        install(bad, target)
+    assert tree_digest(target) == before
+
+
+def test_truncated_artifact_leaves_target_untouched(smoke_artifact: Path, tmp_path: Path) -> None:
+    data = smoke_artifact.read_bytes()
+    (tmp_path / "t.kpack").write_bytes(data[: len(data) * 2 // 3])
+    target = tmp_path / "cache"
+    target.mkdir()
+    before = tree_digest(target)
+    with pytest.raises(ArtifactError):
+        install(tmp_path / "t.kpack", target)
+    assert tree_digest(target) == before
+
+
+def test_existing_entries_are_never_replaced(smoke_artifact: Path, tmp_path: Path) -> None:
+    rel = next(iter(art.read_manifest(smoke_artifact).files))
+    target = tmp_path / "cache"
+    (target / rel).parent.mkdir(parents=True)
+    (target / rel).write_bytes(b"an entry torch wrote itself")
+    r = install(smoke_artifact, target)
+    assert r.kept == 1 and r.written == r.files - 1
+    assert (target / rel).read_bytes() == b"an entry torch wrote itself"
+
+
+def test_key_mismatch_is_refused_with_each_field(smoke_artifact: Path, tmp_path: Path) -> None:
+    m = art.read_manifest(smoke_artifact).data
+    alien_key = {**m["build_key"], "torch_git": "70d99e998b4955e0049d13a98d77ae1b14db1f45", "torch_key": "00" * 32}
+    alien = repack(smoke_artifact, tmp_path / "alien.kpack", tmp_path / "w", build_key=alien_key)
+    target = tmp_path / "cache"
+    with pytest.raises(KeyMismatchError) as exc:
+        install(alien, target)
+    fields = [d[0] for d in exc.value.differences]
+    assert fields == ["torch_git", "torch_key"]
+    assert "artifact '70d99e998b4955e0049d13a98d77ae1b14db1f45' != here" in str(exc.value)
+    assert not target.exists()
+    with pytest.warns(KernelpackWarning, match="torch_git"):
+        r = install(alien, target, allow_mismatch=True)
+    assert r.mismatches and r.written == r.files
+
+
+def test_cli_install_mismatch_error_and_allow(smoke_artifact: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    m = art.read_manifest(smoke_artifact).data
+    alien = repack(smoke_artifact, tmp_path / "alien.kpack", tmp_path / "w",
+                   build_key={**m["build_key"], "torch_dir": "/other/venv/torch"})
+    assert main(["install", str(alien), "--cache-dir", str(tmp_path / "c")]) == 1
+    err = capsys.readouterr().err
+    assert "torch_dir: artifact '/other/venv/torch' != here" in err and "hint: " in err
+    assert main(["install", str(alien), "--cache-dir", str(tmp_path / "c"), "--allow-mismatch"]) == 0
+    out = capsys.readouterr()
+    assert "warning: " in out.err and "installed " in out.out
+
+
+def test_triton_files_follow_triton_cache_dir(smoke_artifact: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "w" / "extra"
+    kernel = b"\x7fELF fake cubin"
+    (src / "triton" / "0" / "HASH").mkdir(parents=True)
+    (src / "triton" / "0" / "HASH" / "k.cubin").write_bytes(kernel)
+    files = art.scan_tree(src)
+    entries = art.hash_files(files)
+    m = art.read_manifest(smoke_artifact).data
+    data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    art.pack(tmp_path / "t.kpack", data, files, entries)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-elsewhere"))
+    install(tmp_path / "t.kpack", tmp_path / "cache")
+    assert (tmp_path / "triton-elsewhere" / "HASH" / "k.cubin").read_bytes() == kernel
+    assert not (tmp_path / "cache" / "triton").exists()
+
+
+def test_warns_when_torch_already_compiled_elsewhere(smoke_artifact: Path, tmp_path: Path) -> None:
+    code = (
+        "import os, torch, warnings; os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.environ['FIRST'];"
+        "torch.compile(lambda x: x + 1, backend='eager')(torch.ones(2));"
+        "from kernelpack.install import install;"
+        "warnings.simplefilter('error');"
+        "install(os.environ['ART'], os.environ['SECOND'])"
+    )
+    env = dict(os.environ, FIRST=str(tmp_path / "a"), SECOND=str(tmp_path / "b"), ART=str(smoke_artifact))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "already compiled" in proc.stderr and "KernelpackWarning" in proc.stderr
+
+
+def test_eight_concurrent_installers(smoke_artifact: Path, tmp_path: Path) -> None:
+    target = tmp_path / "shared"
+    code = "import sys; from kernelpack.install import install; r = install(sys.argv[1], sys.argv[2]); print(r.noop)"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(smoke_artifact), str(target)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    results = [(p.wait(timeout=300), p.communicate()) for p in procs]
+    assert [rc for rc, _ in results] == [0] * 8, [err for _, (_, err) in results]
+    noops = [out.strip() for _, (out, _) in results]
+    assert noops.count("False") >= 1  # somebody installed; with the lock the rest found it done
+    assert_installed(target, smoke_artifact)
+    digest = tree_digest(target)
+    install(smoke_artifact, target)
+    assert tree_digest(target) == digest
+
+
+def test_umask_is_respected(smoke_artifact: Path, tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        install(smoke_artifact, tmp_path / "c")
+    finally:
+        os.umask(old)
+    modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "c").rglob("*") if p.is_file()}
+    assert modes and all(mode & 0o027 == 0 for mode in modes), modes
+
+
+def test_marker_content(smoke_artifact: Path, tmp_path: Path) -> None:
+    r = install(smoke_artifact, tmp_path / "c")
+    data = json.loads(marker_path(tmp_path / "c", r.sha256).read_text())
+    assert data["sha256"] == hashlib.sha256(smoke_artifact.read_bytes()).hexdigest()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        install(smoke_artifact, tmp_path / "c")
