@@ -1,0 +1,55 @@
+"""The counters kernelpack proves things with, exercised on real torch behaviour (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CODE = """
+import json, sys, torch
+from kernelpack import evidence
+evidence.install_hooks(refuse_dense=sys.argv[1] == 'refuse')
+from torch.nn.attention.flex_attention import flex_attention
+from kernelpack.masks import sliding_window, block_mask
+import kernelpack
+q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
+bm = block_mask(sliding_window(32), 128, 128, 'cpu')
+out = {}
+s = evidence.snapshot()
+try:
+    flex_attention(q, k, v, block_mask=bm)  # not compiled: the dense math path
+except evidence.DenseFallback as e:
+    out['refused'] = str(e)
+out['eager'] = evidence.delta(s, evidence.snapshot())
+s = evidence.snapshot()
+kernelpack.flex_attention(q, k, v, block_mask=bm)
+out['compiled'] = evidence.delta(s, evidence.snapshot())
+print(json.dumps(out))
+"""
+
+
+def run(tmp_path: Path, mode: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", CODE, mode], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_dense_path_and_cold_compile_are_seen_then_a_warm_start_is_clean(tmp_path: Path) -> None:
+    from kernelpack.evidence import compiled_anything
+
+    cold = run(tmp_path, "count")
+    assert cold["eager"]["dense_calls"] == 1 and cold["eager"]["dense_bytes"] == 1 * 2 * 128 * 128 * 4
+    assert cold["compiled"]["dense_calls"] == 0  # tracing runs the dense impl on fake tensors: not counted
+    assert cold["compiled"]["inductor.fxgraph_cache_miss"] == 1 and cold["compiled"]["cpp_compiled"] > 0
+    assert compiled_anything(cold["compiled"])
+    warm = run(tmp_path, "count")
+    assert warm["compiled"]["inductor.fxgraph_cache_hit"] == 1 and compiled_anything(warm["compiled"]) == []
+
+
+def test_refuse_dense_raises_with_the_score_memory(tmp_path: Path) -> None:
+    out = run(tmp_path, "refuse")
+    assert "dense math path" in out["refused"] and "GiB of scores" in out["refused"]
