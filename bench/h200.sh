@@ -24,8 +24,15 @@ if [[ $what == build || $what == all ]]; then
   python3 -m kernelpack.cli inspect --json $ART_DIR/*.kpack > "$OUT/manifest.json"
   python3 -m kernelpack.cli verify --json $ART_DIR/*.kpack > "$OUT/verify.json"; echo "verify exit $?" | tee -a "$OUT/build.log"
 fi
+if [[ $what == profile || $what == all ]]; then
+  rm -rf /tmp/kp-prof && mkdir -p /tmp/kp-prof
+  TORCHINDUCTOR_CACHE_DIR=/tmp/kp-prof/kp python3 bench/profile_first_call.py $ART_DIR/*.kpack --install > "$OUT/profile-kernelpack.txt" 2>&1
+  TORCHINDUCTOR_CACHE_DIR=/tmp/kp-prof/kp python3 bench/profile_first_call.py $ART_DIR/*.kpack > "$OUT/profile-warm.txt" 2>&1
+  TORCHINDUCTOR_COMPILE_THREADS=1 TORCHINDUCTOR_CACHE_DIR=/tmp/kp-prof/kp python3 bench/profile_first_call.py $ART_DIR/*.kpack > "$OUT/profile-warm-1thread.txt" 2>&1
+  grep -h "first calls\|^install" "$OUT"/profile-*.txt
+fi
 if [[ $what == bench || $what == all ]]; then
-  python3 bench/warm_start.py --artifact $ART_DIR/*.kpack --repeats 3 --cold-repeats 1 --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log"
+  python3 bench/warm_start.py --artifact $ART_DIR/*.kpack --repeats ${REPEATS:-5} --cold-repeats ${COLD_REPEATS:-2} --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log"
   touch "$OUT/done"
 fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.
