@@ -11,6 +11,10 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
+# The device's torch venv ships no usable .pyc files: every fresh process re-compiled ~600 torch modules' bytecode
+# (builtins.compile, 2.1 s of each first call in bench/profile_first_call.py). A normal install has them; a
+# writable bytecode cache restores that for every mode alike (the first run of this script fills it).
+export PYTHONPYCACHEPREFIX=/tmp/pycache
 what=${1:-all}
 python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.git_version, "triton", triton.__version__, torch.cuda.get_device_name(0))' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >> "$OUT/env.txt"
