@@ -58,7 +58,8 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         device = "cpu" if c.device == "cpu" else "cuda:0"
         calls.append(run_config(c, device, check=False).seconds)
     counters = evidence.delta(before, evidence.snapshot())
-    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters, "phases": phases,
+    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters,
+           "phases": phases,
            "torch": torch.__version__, "git": torch.version.git_version}
     if mode == "cold":
         saved = torch.compiler.save_cache_artifacts()

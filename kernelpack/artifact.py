@@ -192,7 +192,7 @@ def _parse_manifest(path: str, blob: bytes) -> Manifest:
                 raise ValueError(f"file listed twice: {entry.path!r}")
             files[entry.path] = entry
         for key in ("build_key", "recipe", "configs", "name"):
-            data[key]  # noqa: B018 - presence check
+            data[key]
     except (KeyError, TypeError, ValueError) as e:
         raise ArtifactError(path, f"manifest.json is malformed: {type(e).__name__}: {e}") from None
     manifest = Manifest(data, files)

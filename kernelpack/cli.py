@@ -17,10 +17,11 @@ from typing import Any
 import click
 
 from . import __version__
+from .build import BuildProgress, ConfigOutcome
 from .errors import KernelpackError
 
 
-class _Progress:
+class _Progress(BuildProgress):
     """One line per finished config: count, outcome, compile time, elapsed and ETA (CI logs stay readable)."""
 
     def __init__(self) -> None:
@@ -31,7 +32,7 @@ class _Progress:
         self.total, self.start_t = total, time.perf_counter()
         click.echo(f"building {total} config(s)", err=True)
 
-    def config_done(self, outcome: Any) -> None:
+    def config_done(self, outcome: ConfigOutcome) -> None:
         self.done += 1
         elapsed = time.perf_counter() - self.start_t
         eta = elapsed / self.done * (self.total - self.done)
@@ -142,13 +143,9 @@ def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_i
 @click.pass_context
 def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool) -> None:
     """Prove ARTIFACT: in a fresh process, install it and check every config's first call compiles nothing."""
-    from .errors import VerifyError
     from .verify import verify as run_verify
 
-    try:
-        report = run_verify(artifact, seed=seed, check=check)
-    except VerifyError:
-        raise
+    report = run_verify(artifact, seed=seed, check=check)
     data = report.data
     if as_json:
         click.echo(json.dumps(data, indent=1))

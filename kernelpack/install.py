@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import artifact as art
-from .errors import InstallError, KeyMismatchError, KernelpackError
+from .errors import InstallError, KernelpackError, KeyMismatchError
 from .keys import BuildKey, differences, probe
 
 log = logging.getLogger(__name__)

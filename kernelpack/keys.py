@@ -86,7 +86,6 @@ def probe(device_type: str, device_index: int = 0) -> BuildKey:
     import os
 
     import torch
-
     from torch._inductor.codecache import torch_key
 
     try:

@@ -222,7 +222,9 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
             mode=mode,
             dynamic=dynamic,
         )
-        for dt, (ql, kl), w, b, qh, kh, hd in itertools.product(dtypes, lens, windows, batch, q_heads, kv_heads, head_dim)
+        for dt, (ql, kl), w, b, qh, kh, hd in itertools.product(
+            dtypes, lens, windows, batch, q_heads, kv_heads, head_dim
+        )
     )
     ids = [c.id for c in configs]
     if len(set(ids)) != len(ids):

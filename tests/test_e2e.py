@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import SMOKE, repack
+
 from kernelpack import artifact as art
 from kernelpack.cli import main
 from kernelpack.errors import VerifyError
@@ -22,7 +24,8 @@ def test_build_manifest(smoke_artifact: Path) -> None:
 
     m = art.read_manifest(smoke_artifact).data
     recipe = load_recipe(SMOKE)
-    assert smoke_artifact.name == f"smoke-cpu-torch{torch.__version__.split('+')[0]}-{torch.version.git_version[:12]}-cpu.kpack"
+    version = torch.__version__.split("+")[0]
+    assert smoke_artifact.name == f"smoke-cpu-torch{version}-{torch.version.git_version[:12]}-cpu.kpack"
     assert m["recipe"]["sha256"] == recipe.sha256
     assert sorted(c["id"] for c in m["configs"]) == sorted(c.id for c in recipe.configs)
     assert all(c["compile_seconds"] > 0 and c["max_rel_error"] < 2e-3 for c in m["configs"])
@@ -45,21 +48,39 @@ def test_inspect_json_and_text(smoke_artifact: Path, capsys: pytest.CaptureFixtu
 def test_inspect_does_not_import_torch(smoke_artifact: Path) -> None:
     code = ("import sys; from kernelpack.cli import main; rc = main(['inspect', sys.argv[1]]);"
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code, str(smoke_artifact)], capture_output=True, text=True)
+    cmd = [sys.executable, "-c", code, str(smoke_artifact)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
     proc = subprocess.run([sys.executable, "-c", "import sys; from kernelpack.cli import main; main(['--help']);"
-                           "assert 'torch' not in sys.modules"], capture_output=True, text=True)
+                           "assert 'torch' not in sys.modules"], capture_output=True, text=True, check=False)
     assert proc.returncode == 0 and "build" in proc.stdout, proc.stderr
 
 
-def test_verify_zero_misses_in_a_fresh_process(smoke_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    report = verify(smoke_artifact, seed=1, check=True)
+def seeds_with_both_orders(n: int) -> tuple[int, int]:
+    """Two verify seeds whose shuffles of n configs differ, so hits are shown not to depend on the order."""
+    orders: dict[tuple[int, ...], int] = {}
+    for seed in range(100):
+        order = list(range(n))
+        random.Random(seed).shuffle(order)
+        orders.setdefault(tuple(order), seed)
+        if len(orders) == 2:
+            return tuple(orders.values())  # type: ignore[return-value]
+    raise AssertionError("no two orders")
+
+
+def test_verify_zero_misses_in_a_fresh_process_in_any_order(smoke_artifact: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    n = len(art.read_manifest(smoke_artifact).data["configs"])
+    first, second = seeds_with_both_orders(n)
+    report = verify(smoke_artifact, seed=first, check=True)
     t = report.data["totals"]
     assert t["inductor.fxgraph_cache_miss"] == 0 and t["aot_autograd.autograd_cache_miss"] == 0
     assert t["cpp_compiled"] == 0 and t["dense_calls"] == 0
-    assert t["inductor.fxgraph_cache_hit"] == len(report.data["configs"]) == 2
-    assert main(["verify", str(smoke_artifact), "--seed", "2"]) == 0
-    assert "misses 0" in capsys.readouterr().out
+    assert t["inductor.fxgraph_cache_hit"] == len(report.data["configs"]) == n
+    assert main(["verify", str(smoke_artifact), "--seed", str(second), "--json"]) == 0
+    other = json.loads(capsys.readouterr().out)
+    assert [c["id"] for c in other["configs"]] != [c["id"] for c in report.data["configs"]]
+    assert other["totals"]["inductor.fxgraph_cache_miss"] == 0 and other["totals"]["cpp_compiled"] == 0
 
 
 def test_verify_fails_naming_the_config_when_its_entries_are_missing(smoke_artifact: Path, tmp_path: Path,
@@ -77,24 +98,49 @@ def test_verify_fails_naming_the_config_when_its_entries_are_missing(smoke_artif
     assert "error: " in capsys.readouterr().err
 
 
-def test_build_failure_reports_config_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pkg = tmp_path / "usermasks"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("def broken(config):\n    raise RuntimeError('mask factory exploded')\n")
-    recipe = tmp_path / "r.toml"
-    recipe.write_text('name = "bad"\ndevice = "cpu"\nmask = "usermasks:broken"\n'
-                      "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n")
-    import os
+USER_MASKS = """
+def anchored(config):
+    # a user mask: causal sliding window plus the first 8 tokens (attention sink)
+    w = config.window
+    if w == 64:
+        raise RuntimeError("mask factory exploded")
+    def mask_mod(b, h, q, kv):
+        return (q >= kv) & ((q - kv < w) | (kv < 8))
+    return mask_mod
+"""
 
+
+@pytest.fixture
+def user_masks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "usermasks.py").write_text(USER_MASKS)
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(tmp_path) + (os.pathsep + old if old else "")
-    try:
-        assert main(["build", str(recipe), "-o", str(tmp_path / "out")]) == 1
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + (os.pathsep + old if old else ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def user_recipe(tmp_path: Path, windows: str) -> Path:
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(f'name = "user"\ndevice = "cpu"\nmask = "usermasks:anchored"\nwindows = {windows}\n'
+                      "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n")
+    return recipe
+
+
+def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(user_masks: Path, tmp_path: Path) -> None:
+    from kernelpack.build import build
+
+    result = build(user_recipe(tmp_path, "[32, 64]"), tmp_path / "out", jobs=2, keep_going=True)
+    assert result.artifact is not None and len(result.failed) == 1
+    m = art.read_manifest(result.artifact).data
+    assert [c["params"]["window"] for c in m["configs"]] == [32]
+    assert [f["params"]["window"] for f in m["failed"]] == [64] and "exploded" in m["failed"][0]["error"]
+    report = verify(result.artifact, check=True)
+    assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["cpp_compiled"] == 0
+
+
+def test_build_failure_reports_config_and_writes_nothing(user_masks: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["build", str(user_recipe(tmp_path, "[64]")), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "1 of 1 config(s)" in err and "mask factory exploded" in err and "B=1 Hq=2" in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -34,7 +34,7 @@ def test_reference_matches_sdpa_forward_and_gradients(mask: str, kv_heads: int) 
     )
     ref_grads = torch.autograd.grad(ref, (q, k, v), do)
     ours = reference_attention(c, q, k, v, do, chunk=7)  # a chunk that does not divide the length
-    for got, want in zip(ours, (ref, *ref_grads)):
+    for got, want in zip(ours, (ref, *ref_grads), strict=True):
         torch.testing.assert_close(got, want)
 
 
