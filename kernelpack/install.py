@@ -182,8 +182,9 @@ def _node_lock(target: Path):  # type: ignore[no-untyped-def]
     the target tree untouched; only saves work (rename-based commits are correct without it)."""
     from filelock import FileLock
 
-    lock_dir = Path(tempfile.gettempdir()) / "kernelpack-locks"
-    lock_dir.mkdir(exist_ok=True)
+    # Per user: another user's lock directory would not be writable.
+    lock_dir = Path(tempfile.gettempdir()) / f"kernelpack-locks-{os.getuid()}"
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
     name = hashlib.sha256(str(target).encode()).hexdigest()[:24]
     with FileLock(str(lock_dir / f"{name}.lock")):
         yield
