@@ -58,9 +58,16 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         device = "cpu" if c.device == "cpu" else "cuda:0"
         calls.append(run_config(c, device, check=False).seconds)
     counters = evidence.delta(before, evidence.snapshot())
-    out = {"mode": mode, "prep": prep, "calls": calls, "total": prep + sum(calls), "counters": counters,
-           "phases": phases,
-           "torch": torch.__version__, "git": torch.version.git_version}
+    out = {
+        "mode": mode,
+        "prep": prep,
+        "calls": calls,
+        "total": prep + sum(calls),
+        "counters": counters,
+        "phases": phases,
+        "torch": torch.__version__,
+        "git": torch.version.git_version,
+    }
     if mode == "cold":
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -104,8 +111,9 @@ def main() -> None:
             # Interleave the modes so drift (clocks, page cache) hits all of them alike.
             if i < cold_repeats:
                 d = warm_dir if i == 0 else work / f"cold{i}"
-                samples["cold"].append(run_child("cold", d, args.artifact, blob if i == 0 else work / "x.bin",
-                                                 args.timeout))
+                samples["cold"].append(
+                    run_child("cold", d, args.artifact, blob if i == 0 else work / "x.bin", args.timeout)
+                )
             if i < args.repeats:
                 samples["warm"].append(run_child("warm", warm_dir, args.artifact, blob, args.timeout))
                 for mode in ("mega", "kernelpack"):
@@ -117,33 +125,49 @@ def main() -> None:
 
         manifest = read_manifest(args.artifact)
         summary = {
-            m: {"median_total": statistics.median(s["total"] for s in v),
+            m: {
+                "median_total": statistics.median(s["total"] for s in v),
                 "median_prep": statistics.median(s["prep"] for s in v),
                 "totals": [s["total"] for s in v],
-                "counters": v[0]["counters"]}
+                "counters": v[0]["counters"],
+            }
             for m, v in samples.items()
         }
         cold = summary["cold"]["median_total"]
         warm = summary["warm"]["median_total"]
         kp = summary["kernelpack"]["median_total"]
-        sizes = {"raw_cache_bytes": raw, "manifest_bytes": manifest.total_size,
-                 "artifact_bytes": os.path.getsize(args.artifact),
-                 "mega_blob_bytes": samples["cold"][0].get("blob_bytes")}
-        result = {"summary": summary, "sizes": sizes, "samples": samples, "configs": len(manifest.data["configs"]),
-                  "torch": samples["cold"][0]["torch"], "git": samples["cold"][0]["git"],
-                  "speedup_vs_cold": cold / kp, "ratio_vs_warm": kp / warm,
-                  "artifact_over_raw": sizes["artifact_bytes"] / raw}
+        sizes = {
+            "raw_cache_bytes": raw,
+            "manifest_bytes": manifest.total_size,
+            "artifact_bytes": os.path.getsize(args.artifact),
+            "mega_blob_bytes": samples["cold"][0].get("blob_bytes"),
+        }
+        result = {
+            "summary": summary,
+            "sizes": sizes,
+            "samples": samples,
+            "configs": len(manifest.data["configs"]),
+            "torch": samples["cold"][0]["torch"],
+            "git": samples["cold"][0]["git"],
+            "speedup_vs_cold": cold / kp,
+            "ratio_vs_warm": kp / warm,
+            "artifact_over_raw": sizes["artifact_bytes"] / raw,
+        }
         Path(args.out).write_text(json.dumps(result, indent=1))
         print(f"| mode | time-to-first-step, median of {args.repeats} (s) | of which load/install (s) | samples |")
         print("|---|---|---|---|")
         for m in samples:
             s = summary[m]
-            print(f"| {m} | {s['median_total']:.2f} | {s['median_prep']:.3f} | "
-                  f"{', '.join(f'{x:.2f}' for x in s['totals'])} |")
+            print(
+                f"| {m} | {s['median_total']:.2f} | {s['median_prep']:.3f} | "
+                f"{', '.join(f'{x:.2f}' for x in s['totals'])} |"
+            )
         print(f"\nkernelpack vs cold: {cold / kp:.1f}x faster; vs native warm: {kp / warm:.2f}x")
-        print(f"raw cache {raw / 2**20:.1f} MiB, artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB "
-              f"({sizes['artifact_bytes'] / raw:.2f}x), mega-cache blob "
-              f"{(sizes['mega_blob_bytes'] or 0) / 2**20:.1f} MiB")
+        print(
+            f"raw cache {raw / 2**20:.1f} MiB, artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB "
+            f"({sizes['artifact_bytes'] / raw:.2f}x), mega-cache blob "
+            f"{(sizes['mega_blob_bytes'] or 0) / 2**20:.1f} MiB"
+        )
         for m in samples:
             print(m, "counters:", {k: v for k, v in summary[m]["counters"].items() if v})
     finally:

@@ -294,14 +294,16 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
                 target = ti.linkname
                 target_rel = target[len(TREE_PREFIX) :] if target.startswith(TREE_PREFIX) else None
                 if target_rel is None or target_rel not in seen or seen[target_rel] != entry.sha256:
-                    raise ArtifactError(path, f"hard link to {target!r} is not an earlier member with this content",
-                                        member=name)
+                    raise ArtifactError(
+                        path, f"hard link to {target!r} is not an earlier member with this content", member=name
+                    )
                 seen[rel] = entry.sha256
                 yield Member(rel, entry, target_rel, _no_write)
                 continue
             if not ti.isreg():
-                raise ArtifactError(path, f"member type {ti.type!r} not allowed (only files and hard links)",
-                                    member=name)
+                raise ArtifactError(
+                    path, f"member type {ti.type!r} not allowed (only files and hard links)", member=name
+                )
             if ti.size != entry.size:
                 raise ArtifactError(path, f"size {ti.size} != manifest size {entry.size}", member=name)
             budget -= ti.size
@@ -311,8 +313,13 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             assert src is not None
             consumed: list[bool] = []
 
-            def write(dst: IO[bytes], src: IO[bytes] = src, entry: FileEntry = entry, name: str = name,
-                      consumed: list[bool] = consumed) -> None:
+            def write(
+                dst: IO[bytes],
+                src: IO[bytes] = src,
+                entry: FileEntry = entry,
+                name: str = name,
+                consumed: list[bool] = consumed,
+            ) -> None:
                 h, n = hashlib.sha256(), 0
                 with _wrap_errors(path):
                     while chunk := src.read(_CHUNK):
@@ -333,8 +340,9 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             seen[rel] = entry.sha256
         missing = manifest.files.keys() - seen.keys()
         if missing:
-            raise ArtifactError(path, f"{len(missing)} file(s) of manifest.json missing (truncated?)",
-                                member=sorted(missing)[0])
+            raise ArtifactError(
+                path, f"{len(missing)} file(s) of manifest.json missing (truncated?)", member=sorted(missing)[0]
+            )
 
 
 def _no_write(dst: IO[bytes]) -> None:

@@ -83,9 +83,7 @@ def build(
         progress.start(len(recipe.configs))
         outcomes: list[ConfigOutcome] = []
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = [
-                pool.submit(_run_worker, c, work / c.id, device_index, timeout) for c in recipe.configs
-            ]
+            futures = [pool.submit(_run_worker, c, work / c.id, device_index, timeout) for c in recipe.configs]
             for fut in as_completed(futures):
                 outcome = fut.result()
                 outcomes.append(outcome)
@@ -128,13 +126,27 @@ def worker_env(cache_dir: Path) -> dict[str, str]:
 def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -> ConfigOutcome:
     work.mkdir(parents=True, exist_ok=True)
     cache_dir, result_file, log_file = work / "cache", work / "result.json", work / "worker.log"
-    cmd = [sys.executable, "-m", "kernelpack.build", "--worker", json.dumps(config.to_dict()), str(device_index),
-           str(result_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kernelpack.build",
+        "--worker",
+        json.dumps(config.to_dict()),
+        str(device_index),
+        str(result_file),
+    ]
     start = time.perf_counter()
     with open(log_file, "wb") as log:
         try:
-            proc = subprocess.run(cmd, env=worker_env(cache_dir), stdout=log, stderr=subprocess.STDOUT,
-                                  stdin=subprocess.DEVNULL, timeout=timeout, check=False)
+            proc = subprocess.run(
+                cmd,
+                env=worker_env(cache_dir),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=timeout,
+                check=False,
+            )
             rc: int | None = proc.returncode
         except subprocess.TimeoutExpired:
             rc = None
@@ -142,9 +154,18 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
     tail = _tail(log_file)
     if result_file.exists():
         r = json.loads(result_file.read_text())
-        return ConfigOutcome(config, bool(r["ok"]) and rc == 0, r.get("seconds", 0.0), wall, r.get("errors", {}),
-                             r.get("counters", {}), r.get("build_key"), r.get("message", ""),
-                             "" if r["ok"] else tail, cache_dir)
+        return ConfigOutcome(
+            config,
+            bool(r["ok"]) and rc == 0,
+            r.get("seconds", 0.0),
+            wall,
+            r.get("errors", {}),
+            r.get("counters", {}),
+            r.get("build_key"),
+            r.get("message", ""),
+            "" if r["ok"] else tail,
+            cache_dir,
+        )
     why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
     if rc is not None and rc < 0:
         why += f" (signal {-rc}; out of memory?)"
@@ -159,8 +180,14 @@ def _tail(log_file: Path) -> str:
     return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
-def _package(recipe: Recipe, built: list[ConfigOutcome], failed: list[ConfigOutcome], out_dir: Path,
-             device_index: int, level: int) -> tuple[Path, dict[str, Any]]:
+def _package(
+    recipe: Recipe,
+    built: list[ConfigOutcome],
+    failed: list[ConfigOutcome],
+    out_dir: Path,
+    device_index: int,
+    level: int,
+) -> tuple[Path, dict[str, Any]]:
     keys = {json.dumps(o.build_key, sort_keys=True) for o in built}
     if len(keys) != 1:
         raise BuildError(f"workers reported different build keys: {sorted(keys)}")
@@ -184,8 +211,12 @@ def _package(recipe: Recipe, built: list[ConfigOutcome], failed: list[ConfigOutc
         "created": int(os.environ.get("SOURCE_DATE_EPOCH", time.time())),
         "recipe": {**recipe.normalized, "sha256": recipe.sha256},
         "configs": [
-            {"id": o.config.id, "params": o.config.to_dict(), "compile_seconds": round(o.seconds, 3),
-             "max_rel_error": max(o.errors.values(), default=0.0)}
+            {
+                "id": o.config.id,
+                "params": o.config.to_dict(),
+                "compile_seconds": round(o.seconds, 3),
+                "max_rel_error": max(o.errors.values(), default=0.0),
+            }
             for o in built
         ],
         "failed": [{"id": o.config.id, "params": o.config.to_dict(), "error": o.message} for o in failed],

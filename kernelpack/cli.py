@@ -74,17 +74,28 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 @click.option("--device-index", default=0, show_default=True, help="CUDA device to build on.")
 @click.option("--level", default=10, show_default=True, help="zstd level.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
-def build(recipe: str, out_dir: str, jobs: int, keep_going: bool, device_index: int, level: int,
-          timeout: float) -> None:
+def build(
+    recipe: str, out_dir: str, jobs: int, keep_going: bool, device_index: int, level: int, timeout: float
+) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
     from .build import build as run_build
 
-    result = run_build(recipe, out_dir, jobs=jobs, keep_going=keep_going, device_index=device_index, level=level,
-                       timeout=timeout, progress=_Progress())
+    result = run_build(
+        recipe,
+        out_dir,
+        jobs=jobs,
+        keep_going=keep_going,
+        device_index=device_index,
+        level=level,
+        timeout=timeout,
+        progress=_Progress(),
+    )
     assert result.artifact is not None and result.manifest is not None
     m = result.manifest
-    click.echo(f"wrote {result.artifact} ({_size(result.artifact.stat().st_size)}; {len(m['files'])} files, "
-               f"{_size(m['total_size'])} expanded) in {result.seconds:.1f} s")
+    click.echo(
+        f"wrote {result.artifact} ({_size(result.artifact.stat().st_size)}; {len(m['files'])} files, "
+        f"{_size(m['total_size'])} expanded) in {result.seconds:.1f} s"
+    )
     if result.failed:
         click.echo(f"warning: {len(result.failed)} config(s) failed and are listed in the manifest", err=True)
 
@@ -103,8 +114,9 @@ def inspect(artifact: str, as_json: bool) -> None:
     total = sum(f["size"] for f in m["files"])
     click.echo(f"{m['name']}  (format {m['format']}, kernelpack {m.get('kernelpack_version', '?')})")
     click.echo(f"recipe: {m['recipe'].get('name')}  sha256 {m['recipe'].get('sha256', '?')[:16]}")
-    click.echo(f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m['files'])} files, "
-               f"{_size(total)} expanded")
+    click.echo(
+        f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m['files'])} files, {_size(total)} expanded"
+    )
     click.echo("build key:")
     for k, v in m["build_key"].items():
         click.echo(f"  {k:14} {v}")
@@ -131,8 +143,10 @@ def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_i
     if r.noop:
         click.echo(f"already installed in {r.cache_dir} ({r.files} files; {r.seconds:.2f} s)")
     else:
-        click.echo(f"installed {r.written} files ({_size(r.bytes_written)}) into {r.cache_dir} in {r.seconds:.2f} s"
-                   f"; {r.present} already present, {r.kept} existing entries kept")
+        click.echo(
+            f"installed {r.written} files ({_size(r.bytes_written)}) into {r.cache_dir} in {r.seconds:.2f} s"
+            f"; {r.present} already present, {r.kept} existing entries kept"
+        )
 
 
 @cli.command()
@@ -151,19 +165,27 @@ def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, c
         click.echo(json.dumps(data, indent=1))
         return
     t = data["totals"]
-    click.echo(f"verified {len(data['configs'])} config(s) in shuffled order (seed {data['seed']}): "
-               f"fxgraph hits {t['inductor.fxgraph_cache_hit']} misses {t['inductor.fxgraph_cache_miss']}, "
-               f"autograd hits {t['aot_autograd.autograd_cache_hit']} misses {t['aot_autograd.autograd_cache_miss']}, "
-               f"triton compiled {t['triton_compiled']}, c++ compiled {t['cpp_compiled']}, dense calls "
-               f"{t['dense_calls']}")
+    click.echo(
+        f"verified {len(data['configs'])} config(s) in shuffled order (seed {data['seed']}): "
+        f"fxgraph hits {t['inductor.fxgraph_cache_hit']} misses {t['inductor.fxgraph_cache_miss']}, "
+        f"autograd hits {t['aot_autograd.autograd_cache_hit']} misses {t['aot_autograd.autograd_cache_miss']}, "
+        f"triton compiled {t['triton_compiled']}, c++ compiled {t['cpp_compiled']}, dense calls "
+        f"{t['dense_calls']}"
+    )
     click.echo(f"install {data['install_seconds']:.2f} s, first calls {data['first_step_seconds']:.2f} s in total")
     if ctx.obj["verbose"]:
         for c in data["configs"]:
             click.echo(f"  {c['describe']}: {c['seconds']:.2f} s")
 
 
-def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
-                  line: str | None = None) -> None:
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: Any = None,
+    line: str | None = None,
+) -> None:
     click.echo(f"warning: {message}", err=True)
 
 

@@ -104,8 +104,11 @@ def install(
     if mismatches and not allow_mismatch:
         raise KeyMismatchError(path, mismatches)
     if mismatches:
-        warnings.warn(str(KeyMismatchError(path, mismatches)) + "\ninstalling anyway (--allow-mismatch): expect "
-                      "cache misses", KernelpackWarning, stacklevel=2)
+        warnings.warn(
+            str(KeyMismatchError(path, mismatches)) + "\ninstalling anyway (--allow-mismatch): expect cache misses",
+            KernelpackWarning,
+            stacklevel=2,
+        )
     target = resolve_cache_dir(cache_dir)
     sha = art.sha256_file(path)
     timings["hash"] = time.perf_counter() - start - sum(timings.values())
@@ -121,10 +124,30 @@ def install(
         t = time.perf_counter()
         written, present, kept, nbytes = _extract(path, manifest, target)
         timings["extract"] = time.perf_counter() - t
-        _write_marker(marker, {"artifact": os.path.basename(path), "sha256": sha, "name": manifest.data["name"],
-                               "files": len(manifest.files), "installed_at": time.time()})
-    return _result(path, sha, target, manifest, start, noop=False, mismatches=mismatches, written=written,
-                   present=present, kept=kept, nbytes=nbytes, timings=timings)
+        _write_marker(
+            marker,
+            {
+                "artifact": os.path.basename(path),
+                "sha256": sha,
+                "name": manifest.data["name"],
+                "files": len(manifest.files),
+                "installed_at": time.time(),
+            },
+        )
+    return _result(
+        path,
+        sha,
+        target,
+        manifest,
+        start,
+        noop=False,
+        mismatches=mismatches,
+        written=written,
+        present=present,
+        kept=kept,
+        nbytes=nbytes,
+        timings=timings,
+    )
 
 
 def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
@@ -134,12 +157,35 @@ def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
         raise art.ArtifactError(path, f"manifest.json build_key is malformed: {e}") from None
 
 
-def _result(path: str, sha: str, target: Path, manifest: art.Manifest, start: float, *, noop: bool,
-            mismatches: list[tuple[str, str, str]], timings: dict[str, float], written: int = 0, present: int = 0,
-            kept: int = 0, nbytes: int = 0) -> InstallResult:
-    return InstallResult(artifact=path, sha256=sha, cache_dir=str(target), files=len(manifest.files),
-                         written=written, present=present, kept=kept, bytes_written=nbytes,
-                         seconds=time.perf_counter() - start, noop=noop, mismatches=mismatches, timings=timings)
+def _result(
+    path: str,
+    sha: str,
+    target: Path,
+    manifest: art.Manifest,
+    start: float,
+    *,
+    noop: bool,
+    mismatches: list[tuple[str, str, str]],
+    timings: dict[str, float],
+    written: int = 0,
+    present: int = 0,
+    kept: int = 0,
+    nbytes: int = 0,
+) -> InstallResult:
+    return InstallResult(
+        artifact=path,
+        sha256=sha,
+        cache_dir=str(target),
+        files=len(manifest.files),
+        written=written,
+        present=present,
+        kept=kept,
+        bytes_written=nbytes,
+        seconds=time.perf_counter() - start,
+        noop=noop,
+        mismatches=mismatches,
+        timings=timings,
+    )
 
 
 def _point_inductor_at(target: Path) -> None:

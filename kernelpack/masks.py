@@ -87,8 +87,9 @@ def load_factory(spec: str) -> Callable[[Config], MaskMod]:
     return obj  # type: ignore[no-any-return]
 
 
-def block_mask(mask_mod: MaskMod, q_len: int, kv_len: int, device: str | Any, *, batch: int | None = None,
-               heads: int | None = None) -> BlockMask:
+def block_mask(
+    mask_mod: MaskMod, q_len: int, kv_len: int, device: str | Any, *, batch: int | None = None, heads: int | None = None
+) -> BlockMask:
     """The BlockMask exactly as the builder makes it.
 
     Its tensors are graph inputs, so their shapes are part of the cache key: keep B/H as None (broadcast) unless the

@@ -33,8 +33,9 @@ class VerifyReport:
         return [c for c in self.data.get("configs", []) if c["reasons"]]
 
 
-def verify(artifact: str | os.PathLike[str], *, seed: int | None = None, check: bool = False,
-           timeout: float = 3600.0) -> VerifyReport:
+def verify(
+    artifact: str | os.PathLike[str], *, seed: int | None = None, check: bool = False, timeout: float = 3600.0
+) -> VerifyReport:
     """Raises :class:`VerifyError` when any config compiled something; returns the report otherwise."""
     path = str(artifact)
     art.read_manifest(path)  # fail fast, before starting torch, on a missing or corrupt file
@@ -47,11 +48,20 @@ def verify(artifact: str | os.PathLike[str], *, seed: int | None = None, check: 
         env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         env["PYTHONUNBUFFERED"] = "1"
         result_file = Path(tmp, "report.json")
-        cmd = [sys.executable, "-m", "kernelpack.verify", "--worker", os.path.abspath(path), str(seed),
-               "1" if check else "0", str(result_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kernelpack.verify",
+            "--worker",
+            os.path.abspath(path),
+            str(seed),
+            "1" if check else "0",
+            str(result_file),
+        ]
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL, check=False)
+            proc = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False
+            )
         except subprocess.TimeoutExpired:
             raise VerifyError(f"verification of {path} timed out after {timeout:.0f} s") from None
         if not result_file.exists():
@@ -95,8 +105,15 @@ def _worker_main(path: str, seed: str, check: str, result_file: str) -> int:
             reasons = evidence.compiled_anything(d)
             if check == "1" and (msg := check_errors(config, call.errors)):
                 reasons.append(msg)
-            report["configs"].append({"id": config.id, "describe": config.describe(), "seconds": call.seconds,
-                                      "counters": d, "reasons": reasons})
+            report["configs"].append(
+                {
+                    "id": config.id,
+                    "describe": config.describe(),
+                    "seconds": call.seconds,
+                    "counters": d,
+                    "reasons": reasons,
+                }
+            )
         report["totals"] = {k: sum(c["counters"][k] for c in report["configs"]) for k in evidence.snapshot()}
         report["first_step_seconds"] = sum(c["seconds"] for c in report["configs"])
     except KernelpackError as e:

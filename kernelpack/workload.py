@@ -55,8 +55,10 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         dout = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=q.dtype)
     bm = block_mask_for(config, device)
     # The public wrapper for the default options, so that verify proves what users call.
-    fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else compiled_flex_attention(
-        config.mode, config.dynamic
+    fn = (
+        flex_attention
+        if (config.mode, config.dynamic) == ("default", False)
+        else compiled_flex_attention(config.mode, config.dynamic)
     )
     _sync(device)
     start = time.perf_counter()

@@ -30,8 +30,12 @@ def make_tree(root: Path) -> dict[str, bytes]:
 
 def manifest_for(entries: list[art.FileEntry], **extra: object) -> dict:
     return {
-        "format": art.FORMAT_VERSION, "name": "t.kpack", "recipe": {"name": "t"}, "configs": [],
-        "build_key": {}, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
+        "format": art.FORMAT_VERSION,
+        "name": "t.kpack",
+        "recipe": {"name": "t"},
+        "configs": [],
+        "build_key": {},
+        "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
         **extra,
     }
 
@@ -73,7 +77,8 @@ def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path)
         assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
         # a plain tar reader gets the cache tree back
         tar.extractall(tmp_path / "x", filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(
-            tmp_path / "x")
+            tmp_path / "x"
+        )
     for rel, data in content.items():
         assert (tmp_path / "x" / "cache" / rel).read_bytes() == data
 
@@ -171,8 +176,9 @@ def special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo
         (["a/./b"], [reg("cache/a/./b", b"x")], "unsafe"),
     ],
 )
-def test_hostile_or_inconsistent_members_are_rejected(tmp_path: Path, listed: list[str], members: list,
-                                                      fragment: str) -> None:
+def test_hostile_or_inconsistent_members_are_rejected(
+    tmp_path: Path, listed: list[str], members: list, fragment: str
+) -> None:
     entries = [entry(rel, b"x") for rel in listed]
     path = tmp_path / "h.kpack"
     raw_artifact(path, manifest_for(entries), members)

@@ -46,13 +46,23 @@ def test_inspect_json_and_text(smoke_artifact: Path, capsys: pytest.CaptureFixtu
 
 
 def test_inspect_does_not_import_torch(smoke_artifact: Path) -> None:
-    code = ("import sys; from kernelpack.cli import main; rc = main(['inspect', sys.argv[1]]);"
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    code = (
+        "import sys; from kernelpack.cli import main; rc = main(['inspect', sys.argv[1]]);"
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     cmd = [sys.executable, "-c", code, str(smoke_artifact)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
-    proc = subprocess.run([sys.executable, "-c", "import sys; from kernelpack.cli import main; main(['--help']);"
-                           "assert 'torch' not in sys.modules"], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kernelpack.cli import main; main(['--help']);assert 'torch' not in sys.modules",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0 and "build" in proc.stdout, proc.stderr
 
 
@@ -68,8 +78,9 @@ def seeds_with_both_orders(n: int) -> tuple[int, int]:
     raise AssertionError("no two orders")
 
 
-def test_verify_zero_misses_in_a_fresh_process_in_any_order(smoke_artifact: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_zero_misses_in_a_fresh_process_in_any_order(
+    smoke_artifact: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     n = len(art.read_manifest(smoke_artifact).data["configs"])
     first, second = seeds_with_both_orders(n)
     report = verify(smoke_artifact, seed=first, check=True)
@@ -83,11 +94,16 @@ def test_verify_zero_misses_in_a_fresh_process_in_any_order(smoke_artifact: Path
     assert other["totals"]["inductor.fxgraph_cache_miss"] == 0 and other["totals"]["cpp_compiled"] == 0
 
 
-def test_verify_fails_naming_the_config_when_its_entries_are_missing(smoke_artifact: Path, tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_verify_fails_naming_the_config_when_its_entries_are_missing(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """An artifact without its FX-graph entries and kernels: verify must see the recompiles and fail loudly."""
-    broken = repack(smoke_artifact, tmp_path / "broken.kpack", tmp_path / "w",
-                    drop=lambda rel: rel.startswith("fxgraph/") or rel.endswith(".so"))
+    broken = repack(
+        smoke_artifact,
+        tmp_path / "broken.kpack",
+        tmp_path / "w",
+        drop=lambda rel: rel.startswith("fxgraph/") or rel.endswith(".so"),
+    )
     with pytest.raises(VerifyError) as exc:
         verify(broken, seed=0)
     msg = str(exc.value)
@@ -121,8 +137,10 @@ def user_masks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def user_recipe(tmp_path: Path, windows: str) -> Path:
     recipe = tmp_path / "r.toml"
-    recipe.write_text(f'name = "user"\ndevice = "cpu"\nmask = "usermasks:anchored"\nwindows = {windows}\n'
-                      "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n")
+    recipe.write_text(
+        f'name = "user"\ndevice = "cpu"\nmask = "usermasks:anchored"\nwindows = {windows}\n'
+        "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n"
+    )
     return recipe
 
 
@@ -138,8 +156,9 @@ def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(user_masks: P
     assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["cpp_compiled"] == 0
 
 
-def test_build_failure_reports_config_and_writes_nothing(user_masks: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_build_failure_reports_config_and_writes_nothing(
+    user_masks: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["build", str(user_recipe(tmp_path, "[64]")), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "1 of 1 config(s)" in err and "mask factory exploded" in err and "B=1 Hq=2" in err

@@ -26,8 +26,9 @@ def assert_installed(target: Path, artifact: Path) -> None:
     assert not leftovers
 
 
-def test_install_into_empty_dir_then_noop(smoke_artifact: Path, tmp_path: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_into_empty_dir_then_noop(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     target = tmp_path / "cache"
     r = install(smoke_artifact, target)
@@ -40,8 +41,9 @@ def test_install_into_empty_dir_then_noop(smoke_artifact: Path, tmp_path: Path,
     assert again.noop and again.written == 0 and tree_digest(target) == before
 
 
-def test_default_target_is_torchinductor_cache_dir(smoke_artifact: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_target_is_torchinductor_cache_dir(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "env-cache"))
     r = install(smoke_artifact)
     assert r.cache_dir == str(tmp_path / "env-cache")
@@ -67,8 +69,9 @@ def corrupt_copy(src: Path, dst: Path, offset_fraction: float) -> Path:
 
 @pytest.mark.parametrize("where", [0.5, 0.9])
 @pytest.mark.parametrize("prepopulated", [False, True])
-def test_corrupt_artifact_leaves_target_exactly_as_it_was(smoke_artifact: Path, tmp_path: Path, where: float,
-                                                          prepopulated: bool) -> None:
+def test_corrupt_artifact_leaves_target_exactly_as_it_was(
+    smoke_artifact: Path, tmp_path: Path, where: float, prepopulated: bool
+) -> None:
     target = tmp_path / "cache"
     if prepopulated:
         (target / "fxgraph" / "zz").mkdir(parents=True)
@@ -117,11 +120,16 @@ def test_key_mismatch_is_refused_with_each_field(smoke_artifact: Path, tmp_path:
     assert r.mismatches and r.written == r.files
 
 
-def test_cli_install_mismatch_error_and_allow(smoke_artifact: Path, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_install_mismatch_error_and_allow(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     m = art.read_manifest(smoke_artifact).data
-    alien = repack(smoke_artifact, tmp_path / "alien.kpack", tmp_path / "w",
-                   build_key={**m["build_key"], "torch_dir": "/other/venv/torch"})
+    alien = repack(
+        smoke_artifact,
+        tmp_path / "alien.kpack",
+        tmp_path / "w",
+        build_key={**m["build_key"], "torch_dir": "/other/venv/torch"},
+    )
     assert main(["install", str(alien), "--cache-dir", str(tmp_path / "c")]) == 1
     err = capsys.readouterr().err
     assert "torch_dir: artifact '/other/venv/torch' != here" in err and "hint: " in err
@@ -130,8 +138,9 @@ def test_cli_install_mismatch_error_and_allow(smoke_artifact: Path, tmp_path: Pa
     assert "warning: " in out.err and "installed " in out.out
 
 
-def test_triton_files_follow_triton_cache_dir(smoke_artifact: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_triton_files_follow_triton_cache_dir(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = tmp_path / "w" / "extra"
     kernel = b"\x7fELF fake cubin"
     (src / "triton" / "0" / "HASH").mkdir(parents=True)
@@ -163,8 +172,15 @@ def test_warns_when_torch_already_compiled_elsewhere(smoke_artifact: Path, tmp_p
 def test_eight_concurrent_installers(smoke_artifact: Path, tmp_path: Path) -> None:
     target = tmp_path / "shared"
     code = "import sys; from kernelpack.install import install; r = install(sys.argv[1], sys.argv[2]); print(r.noop)"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(smoke_artifact), str(target)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(smoke_artifact), str(target)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
     results = [(p.wait(timeout=300), p.communicate()) for p in procs]
     assert [rc for rc, _ in results] == [0] * 8, [err for _, (_, err) in results]
     noops = [out.strip() for _, (out, _) in results]

@@ -7,8 +7,16 @@ import pytest
 from kernelpack.keys import BuildKey, differences, probe
 
 H200 = BuildKey(
-    torch_version="2.11.0+cu130", torch_git="70d99e998b49aaaa", torch_key="ab" * 32, cuda="13.0", triton="3.6.0",
-    python="3.12", platform="linux-x86_64", device_type="cuda", gpu_name="NVIDIA H200", capability="9.0",
+    torch_version="2.11.0+cu130",
+    torch_git="70d99e998b49aaaa",
+    torch_key="ab" * 32,
+    cuda="13.0",
+    triton="3.6.0",
+    python="3.12",
+    platform="linux-x86_64",
+    device_type="cuda",
+    gpu_name="NVIDIA H200",
+    capability="9.0",
     torch_dir="none",
 )
 
@@ -43,8 +51,9 @@ def test_each_field_that_changes_keys_is_reported(field: str, here: str) -> None
 
 def test_install_path_matters_on_cpu_only() -> None:
     assert differences(H200, dataclasses.replace(H200, torch_dir="/elsewhere")) == []
-    cpu = dataclasses.replace(H200, device_type="cpu", gpu_name="none", capability="none", cuda="none",
-                              torch_dir="/venv/a")
+    cpu = dataclasses.replace(
+        H200, device_type="cpu", gpu_name="none", capability="none", cuda="none", torch_dir="/venv/a"
+    )
     assert differences(cpu, dataclasses.replace(cpu, torch_dir="/venv/b")) == [("torch_dir", "/venv/a", "/venv/b")]
 
 

@@ -17,8 +17,15 @@ def base(**over: object) -> dict:
         "device": "cuda",
         "mask": "sliding_window",
         "windows": [128, 256],
-        "matrix": {"batch": 1, "q_heads": 8, "kv_heads": 2, "seq_len": [1024, 2048], "head_dim": 64,
-                   "dtypes": ["bfloat16", "float16"], "backward": True},
+        "matrix": {
+            "batch": 1,
+            "q_heads": 8,
+            "kv_heads": 2,
+            "seq_len": [1024, 2048],
+            "head_dim": 64,
+            "dtypes": ["bfloat16", "float16"],
+            "backward": True,
+        },
     }
     for k, v in over.items():
         if k.startswith("matrix."):
@@ -35,9 +42,7 @@ def test_shipped_recipes_parse() -> None:
     assert smoke.device == "cpu" and all(not c.backward for c in smoke.configs)
     drafter = load_recipe(ROOT / "recipes" / "dflash-drafter.toml")
     assert len(drafter.configs) == 6
-    assert {(c.q_len, c.window) for c in drafter.configs} == {
-        (s, w) for s in (4096, 8192, 16384) for w in (1024, 2048)
-    }
+    assert {(c.q_len, c.window) for c in drafter.configs} == {(s, w) for s in (4096, 8192, 16384) for w in (1024, 2048)}
     assert all(c.enable_gqa and c.q_heads == 32 and c.kv_heads == 8 and c.head_dim == 128 for c in drafter.configs)
 
 
@@ -115,8 +120,10 @@ def test_cli_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: pyt
     from kernelpack.cli import main
 
     bad = tmp_path / "r.toml"
-    bad.write_text('name = "x"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [64]\n'
-                   "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_len = 128\ndtypes = ['float32']\nbackward = true\n")
+    bad.write_text(
+        'name = "x"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [64]\n'
+        "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_len = 128\ndtypes = ['float32']\nbackward = true\n"
+    )
     assert main(["build", str(bad), "-o", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "error: " in err and "matrix.backward" in err and "hint: " in err and "Traceback" not in err

@@ -11,8 +11,19 @@ from kernelpack.workload import check_errors, reference_attention
 
 
 def cfg(**over: object) -> Config:
-    base = dict(device="cpu", mask="sliding_window", window=5, batch=2, q_heads=4, kv_heads=2, q_len=24, kv_len=24,
-                head_dim=8, dtype="float32", backward=True)
+    base = dict(
+        device="cpu",
+        mask="sliding_window",
+        window=5,
+        batch=2,
+        q_heads=4,
+        kv_heads=2,
+        q_len=24,
+        kv_len=24,
+        head_dim=8,
+        dtype="float32",
+        backward=True,
+    )
     base.update(over)
     return Config(**base)  # type: ignore[arg-type]
 
