@@ -9,6 +9,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# Bound eagerly: importing the submodule kernelpack.install (which kernelpack itself does) would otherwise shadow a
+# lazily provided function with the module object. install.py imports no torch at module level.
+from .install import install
+
 __all__ = ["__version__", "flex_attention", "install", "masks"]
 
 
@@ -17,12 +21,8 @@ def __getattr__(name: str) -> Any:
         from .runtime import flex_attention
 
         return flex_attention
-    if name == "install":
-        from .install import install
-
-        return install
     if name == "masks":
-        from . import masks
+        import importlib
 
-        return masks
+        return importlib.import_module(".masks", __name__)  # "from . import masks" would recurse into here
     raise AttributeError(f"module 'kernelpack' has no attribute {name!r}")

@@ -163,3 +163,15 @@ def test_build_failure_reports_config_and_writes_nothing(
     err = capsys.readouterr().err
     assert "1 of 1 config(s)" in err and "mask factory exploded" in err and "B=1 Hq=2" in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_package_api_is_stable_and_lazy() -> None:
+    code = (
+        "import sys, kernelpack; assert 'torch' not in sys.modules;"
+        "import kernelpack.install, kernelpack.verify, kernelpack.build;"
+        "assert callable(kernelpack.install), kernelpack.install;"
+        "assert 'torch' not in sys.modules;"
+        "assert callable(kernelpack.flex_attention) and kernelpack.masks.sliding_window(8)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
