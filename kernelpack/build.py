@@ -227,7 +227,13 @@ def _package(
         "total_size": sum(e.size for e in entries),
     }
     out = out_dir / name
-    art.pack(out, manifest, files, entries, level=level)
+    try:
+        art.pack(out, manifest, files, entries, level=level)
+    except OSError as e:
+        raise KernelpackError(
+            f"cannot write the artifact {out}: {type(e).__name__}: {e}",
+            hint="choose a writable output directory with -o and check its free space",
+        ) from e
     return out, manifest
 
 

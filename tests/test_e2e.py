@@ -175,3 +175,11 @@ def test_package_api_is_stable_and_lazy() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    assert main(["build", str(SMOKE), "-o", str(blocker / "out"), "--jobs", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "error: cannot write the artifact" in err and "Traceback" not in err
