@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ArtifactError, ArtifactNotFoundError
+from .errors import ArtifactError, ArtifactNotFoundError, KernelpackError
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -47,7 +47,13 @@ _SKIP_DIRS = {"locks", ".kernelpack"}
 
 def max_expanded_bytes() -> int:
     """Refuse artifacts whose manifest declares more than this (decompression-bomb cap); env at call time."""
-    return int(os.environ.get("KERNELPACK_MAX_EXPANDED_BYTES", str(64 << 30)))
+    value = os.environ.get("KERNELPACK_MAX_EXPANDED_BYTES", str(64 << 30))
+    try:
+        return int(value)
+    except ValueError:
+        raise KernelpackError(
+            f"KERNELPACK_MAX_EXPANDED_BYTES={value!r} is not an integer", hint="give a byte count, e.g. 68719476736"
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +164,36 @@ class Manifest:
         return sum(e.size for e in self.files.values())
 
 
-def _open_stream(path: str) -> tuple[IO[bytes], IO[bytes]]:
+class _Budget(io.RawIOBase):
+    """The decompressed stream, refusing to yield more than ``limit`` bytes in total.
+
+    tarfile reads a whole pax or GNU long-name header into memory before returning the member, so a 32 KB artifact
+    can declare a 1 GiB header; the budget stops that before the memory is taken.
+    """
+
+    def __init__(self, inner: IO[bytes], path: str, limit: int) -> None:
+        self.inner, self.path, self.limit, self.count = inner, path, limit, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.limit - self.count + 1 if n is None or n < 0 else min(n, self.limit - self.count + 1)
+        data = self.inner.read(want)
+        self.count += len(data)
+        if self.count > self.limit:
+            raise ArtifactError(self.path, f"archive expands past {self.limit} bytes, more than manifest.json declares")
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+@contextlib.contextmanager
+def _open_tar(path: str, limit: int) -> Iterator[tarfile.TarFile]:
+    """The artifact as a streaming tar reader over at most ``limit`` decompressed bytes; errors name the file."""
     import zstandard
 
     try:
@@ -167,15 +202,32 @@ def _open_stream(path: str) -> tuple[IO[bytes], IO[bytes]]:
         raise ArtifactNotFoundError(path) from None
     except IsADirectoryError:
         raise ArtifactError(path, "is a directory, not a .kpack file") from None
+    except OSError as e:
+        raise ArtifactError(path, f"cannot open: {type(e).__name__}: {e}") from None
     dctx = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
-    return raw, dctx.stream_reader(raw, read_across_frames=False)
+    with raw, dctx.stream_reader(raw, read_across_frames=False) as stream, _wrap_errors(path):
+        yield tarfile.open(fileobj=_Budget(stream, path, limit), mode="r|")
+
+
+def _read_manifest_member(path: str, tar: tarfile.TarFile) -> Manifest:
+    first = tar.next()
+    if first is None or first.name != MANIFEST_NAME or not first.isreg():
+        raise ArtifactError(path, "first member is not manifest.json: not a kernelpack artifact")
+    if first.size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(path, f"manifest.json is {first.size} bytes, over {MAX_MANIFEST_BYTES}")
+    f = tar.extractfile(first)
+    assert f is not None
+    blob = f.read()
+    if len(blob) != first.size:
+        raise ArtifactError(path, "truncated inside manifest.json")
+    return _parse_manifest(path, blob)
 
 
 def _parse_manifest(path: str, blob: bytes) -> Manifest:
     try:
         data = json.loads(blob)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(path, f"manifest.json is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ArtifactError(path, f"manifest.json is not valid JSON: {type(e).__name__}: {e}") from None
     if not isinstance(data, dict):
         raise ArtifactError(path, "manifest.json is not a JSON object")
     fmt = data.get("format")
@@ -184,17 +236,32 @@ def _parse_manifest(path: str, blob: bytes) -> Manifest:
     files: dict[str, FileEntry] = {}
     try:
         for f in data["files"]:
-            entry = FileEntry(str(f["path"]), int(f["size"]), str(f["sha256"]))
+            size = f["size"]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(f"bad size {size!r} for {f.get('path')!r}")
+            entry = FileEntry(str(f["path"]), size, str(f["sha256"]))
             _check_name(path, entry.path)
-            if entry.size < 0 or len(entry.sha256) != 64:
-                raise ValueError(f"bad size/sha256 for {entry.path!r}")
+            if len(entry.sha256) != 64:
+                raise ValueError(f"bad sha256 for {entry.path!r}")
             if entry.path in files:
                 raise ValueError(f"file listed twice: {entry.path!r}")
             files[entry.path] = entry
-        for key in ("build_key", "recipe", "configs", "name"):
-            data[key]
-    except (KeyError, TypeError, ValueError) as e:
+        if not isinstance(data["name"], str) or not isinstance(data["recipe"], dict):
+            raise TypeError("name must be a string and recipe an object")
+        if not isinstance(data["build_key"], dict) or not all(isinstance(v, str) for v in data["build_key"].values()):
+            raise TypeError("build_key must be an object of strings")
+        if not isinstance(data["configs"], list) or not all(
+            isinstance(c, dict) and isinstance(c.get("params"), dict) for c in data["configs"]
+        ):
+            raise TypeError("configs must be a list of objects with params")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ArtifactError(path, f"manifest.json is malformed: {type(e).__name__}: {e}") from None
+    # A path that is also another path's directory could only fail half-way through an install.
+    dirs = {rel.rsplit("/", 1)[0] for rel in files if "/" in rel}
+    parents = {"/".join(d.split("/")[: i + 1]) for d in dirs for i in range(d.count("/") + 1)}
+    clash = sorted(parents & files.keys())
+    if clash:
+        raise ArtifactError(path, "manifest.json lists a path both as a file and as a directory", member=clash[0])
     manifest = Manifest(data, files)
     if manifest.total_size > max_expanded_bytes():
         raise ArtifactError(
@@ -209,11 +276,12 @@ def _check_name(path: str, rel: str) -> None:
     """A cache path must be a normalized relative POSIX path: no absolute paths, '..', '.', empty parts, NUL."""
     if (
         not rel
+        or len(rel) > 4096
         or rel.startswith("/")
         or "\\" in rel
         or "\0" in rel
         or posixpath.normpath(rel) != rel
-        or any(part in ("", ".", "..") for part in rel.split("/"))
+        or any(part in ("", ".", "..") or len(part) > 255 for part in rel.split("/"))
         or not is_shipped(rel)
     ):
         raise ArtifactError(path, "unsafe or non-normalized path", member=rel)
@@ -230,23 +298,16 @@ def _wrap_errors(path: str) -> Iterator[None]:
         raise ArtifactError(path, f"corrupt or truncated artifact: {type(e).__name__}: {e}") from e
 
 
+# Room for tar headers: 512-byte blocks, pax records for long names, padding and the end-of-archive blocks.
+_HEADER_SLACK = 64 << 10
+_PER_MEMBER_SLACK = 4 << 10
+
+
 def read_manifest(path: str | Path) -> Manifest:
     """Only the first member is decompressed: cheap even for a large artifact, and torch is not imported."""
     path = str(path)
-    raw, stream = _open_stream(path)
-    with raw, stream, _wrap_errors(path):
-        tar = tarfile.open(fileobj=stream, mode="r|")
-        first = tar.next()
-        if first is None or first.name != MANIFEST_NAME or not first.isreg():
-            raise ArtifactError(path, "first member is not manifest.json: not a kernelpack artifact")
-        if first.size > MAX_MANIFEST_BYTES:
-            raise ArtifactError(path, f"manifest.json is {first.size} bytes, over {MAX_MANIFEST_BYTES}")
-        f = tar.extractfile(first)
-        assert f is not None
-        blob = f.read()
-        if len(blob) != first.size:
-            raise ArtifactError(path, "truncated inside manifest.json")
-        return _parse_manifest(path, blob)
+    with _open_tar(path, MAX_MANIFEST_BYTES + _HEADER_SLACK) as tar:
+        return _read_manifest_member(path, tar)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,19 +327,11 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
     that does not point at an earlier member of the same content, a sha256 that differs, or a corrupt stream.
     """
     path = str(path)
-    raw, stream = _open_stream(path)
+    limit = MAX_MANIFEST_BYTES + manifest.total_size + _HEADER_SLACK + _PER_MEMBER_SLACK * (len(manifest.files) + 1)
     seen: dict[str, str] = {}  # member path -> sha256 of its verified content
-    with raw, stream, _wrap_errors(path):
-        tar = tarfile.open(fileobj=stream, mode="r|")
-        first = tar.next()
-        if first is None or first.name != MANIFEST_NAME:
-            raise ArtifactError(path, "first member is not manifest.json")
-        f = tar.extractfile(first)
-        assert f is not None
-        blob = f.read()
-        if _parse_manifest(path, blob).files != manifest.files:
+    with _open_tar(path, limit) as tar:
+        if _read_manifest_member(path, tar).files != manifest.files:
             raise ArtifactError(path, "manifest.json changed between reads")
-        budget = manifest.total_size
         while (ti := tar.next()) is not None:
             name = ti.name
             if not name.startswith(TREE_PREFIX):
@@ -306,9 +359,6 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
                 )
             if ti.size != entry.size:
                 raise ArtifactError(path, f"size {ti.size} != manifest size {entry.size}", member=name)
-            budget -= ti.size
-            if budget < 0:
-                raise ArtifactError(path, "expanded size exceeds manifest total", member=name)
             src = tar.extractfile(ti)
             assert src is not None
             consumed: list[bool] = []

@@ -1,24 +1,28 @@
 """Install an artifact into a TorchInductor cache directory: verified, atomic, idempotent, safe with many workers.
 
 Every byte is staged in a temporary directory inside the destination root and checked against the manifest's sha256
-before anything becomes visible; only then is each file moved into place with ``os.replace`` (atomic on POSIX), so a
-reader never sees a partial file and a bad artifact leaves the target exactly as it was. Existing cache entries are
-never overwritten or deleted. A marker keyed by the artifact's sha256 makes a second install a fast no-op; a file lock
-keeps N workers on a node from doing the work N times, but correctness does not depend on it.
+before anything becomes visible; only then is each file hard-linked into place (atomic, and failing on an existing
+name), so a reader never sees a partial file and a bad artifact leaves the target exactly as it was. Existing cache
+entries are never overwritten or deleted. A marker keyed by the artifact's sha256 makes a second install a fast
+no-op; a file lock keeps N workers on a node from doing the work N times, but correctness does not depend on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,17 +94,22 @@ def install(
     """Install ``artifact`` into ``cache_dir`` (default: the directory inductor uses in this process).
 
     Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``.
-    With ``set_env`` (the default), TORCHINDUCTOR_CACHE_DIR is pointed at the target so that this process's next
-    compile reads it; a warning says so if torch already compiled with another directory.
+    With ``set_env`` (the default), once the install succeeded TORCHINDUCTOR_CACHE_DIR points at the target and
+    Dynamo's recompile limit covers the artifact's configs, so that this process's next compile reads it; a warning
+    says so if torch already compiled with another directory.
     """
     start = time.perf_counter()
     timings: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        timings[name] = time.perf_counter() - start - sum(timings.values())
+
     path = str(artifact)
     manifest = art.read_manifest(path)
-    timings["manifest"] = time.perf_counter() - start
+    lap("manifest")
     built = _build_key(path, manifest)
     mismatches = differences(built, probe(built.device_type, device_index))
-    timings["probe"] = time.perf_counter() - start - sum(timings.values())
+    lap("probe")
     if mismatches and not allow_mismatch:
         raise KeyMismatchError(path, mismatches)
     if mismatches:
@@ -111,43 +120,54 @@ def install(
         )
     target = resolve_cache_dir(cache_dir)
     sha = art.sha256_file(path)
-    timings["hash"] = time.perf_counter() - start - sum(timings.values())
+    lap("hash")
+    marker = marker_path(target, sha)
+    counts = _Counts()
+    noop = _marker_valid(marker, target, manifest)
+    if not noop:
+        with _node_lock(target):
+            noop = _marker_valid(marker, target, manifest)  # another worker may have finished while we waited
+            if not noop:
+                counts = _extract(path, manifest, target)
+                _write_marker(
+                    marker,
+                    {
+                        "artifact": os.path.basename(path),
+                        "sha256": sha,
+                        "name": manifest.data["name"],
+                        "files": len(manifest.files),
+                        "kept": counts.kept,
+                        "installed_at": time.time(),
+                    },
+                )
+                lap("extract")
     if set_env:
         _point_inductor_at(target)
+        from .runtime import ensure_recompile_limit
 
-    marker = marker_path(target, sha)
-    if _marker_valid(marker, target, manifest):
-        return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches, timings=timings)
-    with _node_lock(target):
-        if _marker_valid(marker, target, manifest):  # another worker finished while we waited
-            return _result(path, sha, target, manifest, start, noop=True, mismatches=mismatches, timings=timings)
-        t = time.perf_counter()
-        written, present, kept, nbytes = _extract(path, manifest, target)
-        timings["extract"] = time.perf_counter() - t
-        _write_marker(
-            marker,
-            {
-                "artifact": os.path.basename(path),
-                "sha256": sha,
-                "name": manifest.data["name"],
-                "files": len(manifest.files),
-                "installed_at": time.time(),
-            },
-        )
-    return _result(
-        path,
-        sha,
-        target,
-        manifest,
-        start,
-        noop=False,
+        ensure_recompile_limit(2 * len(manifest.data["configs"]))
+    return InstallResult(
+        artifact=path,
+        sha256=sha,
+        cache_dir=str(target),
+        files=len(manifest.files),
+        written=counts.written,
+        present=counts.present,
+        kept=len(counts.kept),
+        bytes_written=counts.nbytes,
+        seconds=time.perf_counter() - start,
+        noop=noop,
         mismatches=mismatches,
-        written=written,
-        present=present,
-        kept=kept,
-        nbytes=nbytes,
         timings=timings,
     )
+
+
+@dataclass
+class _Counts:
+    written: int = 0
+    present: int = 0
+    kept: list[str] = field(default_factory=list)  # differing entries already there, left alone
+    nbytes: int = 0
 
 
 def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
@@ -155,37 +175,6 @@ def _build_key(path: str, manifest: art.Manifest) -> BuildKey:
         return BuildKey.from_dict(manifest.data["build_key"])
     except (TypeError, ValueError, AttributeError) as e:
         raise art.ArtifactError(path, f"manifest.json build_key is malformed: {e}") from None
-
-
-def _result(
-    path: str,
-    sha: str,
-    target: Path,
-    manifest: art.Manifest,
-    start: float,
-    *,
-    noop: bool,
-    mismatches: list[tuple[str, str, str]],
-    timings: dict[str, float],
-    written: int = 0,
-    present: int = 0,
-    kept: int = 0,
-    nbytes: int = 0,
-) -> InstallResult:
-    return InstallResult(
-        artifact=path,
-        sha256=sha,
-        cache_dir=str(target),
-        files=len(manifest.files),
-        written=written,
-        present=present,
-        kept=kept,
-        bytes_written=nbytes,
-        seconds=time.perf_counter() - start,
-        noop=noop,
-        mismatches=mismatches,
-        timings=timings,
-    )
 
 
 def _point_inductor_at(target: Path) -> None:
@@ -210,83 +199,142 @@ def _torch_compiled_already() -> bool:
 
 
 def _marker_valid(marker: Path, target: Path, manifest: art.Manifest) -> bool:
-    """The marker counts only while every file it vouches for is still there with its size."""
-    if not marker.is_file():
+    """The marker counts only while every file it vouches for is still there: with its size, or, for an entry that
+    was already in the cache with other content (kept), at all."""
+    try:
+        kept = set(json.loads(marker.read_text()).get("kept", []))
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
     for rel, entry in manifest.files.items():
         try:
-            if destination(target, rel).stat().st_size != entry.size:
-                return False
+            size = destination(target, rel).stat().st_size
         except OSError:
+            return False
+        if size != entry.size and rel not in kept:
             return False
     return True
 
 
+def _lock_timeout() -> float:
+    value = os.environ.get("KERNELPACK_LOCK_TIMEOUT", "600")
+    try:
+        return float(value)
+    except ValueError:
+        raise KernelpackError(f"KERNELPACK_LOCK_TIMEOUT={value!r} is not a number", hint="give seconds") from None
+
+
 @contextlib.contextmanager
-def _node_lock(target: Path):  # type: ignore[no-untyped-def]
-    """Serialize installs into one directory on this node. Lives outside the target so that a failed install leaves
-    the target tree untouched; only saves work (rename-based commits are correct without it)."""
-    from filelock import FileLock
+def _node_lock(target: Path) -> Iterator[None]:
+    """Serialize installs into one directory on this node, so N workers extract once.
 
-    # Per user: another user's lock directory would not be writable.
-    lock_dir = Path(tempfile.gettempdir()) / f"kernelpack-locks-{os.getuid()}"
-    lock_dir.mkdir(mode=0o700, exist_ok=True)
-    name = hashlib.sha256(str(target).encode()).hexdigest()[:24]
-    with FileLock(str(lock_dir / f"{name}.lock")):
+    The lock only saves work: commits are no-clobber links, correct without it (network filesystems can lie about
+    flock). So when the lock cannot be had (a lock directory not ours, a holder stuck past KERNELPACK_LOCK_TIMEOUT,
+    or KERNELPACK_INSTALL_LOCK=0) the install goes on without it. It lives outside the target so that a failed
+    install leaves the target tree untouched.
+    """
+    from filelock import FileLock, Timeout
+
+    if os.environ.get("KERNELPACK_INSTALL_LOCK", "1") == "0":
         yield
+        return
+    lock_dir = Path(tempfile.gettempdir()) / f"kernelpack-locks-{os.getuid()}"
+    try:
+        lock_dir.mkdir(mode=0o700, exist_ok=True)
+        st = lock_dir.lstat()
+        ours = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+    except OSError:
+        ours = False
+    if not ours:
+        log.warning("%s is not a directory of this user; installing without the node lock", lock_dir)
+        yield
+        return
+    name = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:24]
+    lock = FileLock(str(lock_dir / f"{name}.lock"), timeout=_lock_timeout())
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("waited %.0f s for the install lock of %s; installing without it", _lock_timeout(), target)
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
-def _extract(path: str, manifest: art.Manifest, target: Path) -> tuple[int, int, int, int]:
-    """Stage every file, verified, then move each into place. Returns (written, present, kept, bytes)."""
+def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
+    """Stage every file, verified, then link each into place without clobbering anything.
+
+    Any failure removes the staging directories and whatever this call created (files and directories), so the
+    target ends exactly as it was.
+    """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
-    created_roots: list[Path] = []
-    staged: list[tuple[Path, Path]] = []  # (staged file, destination)
+    created: list[Path] = []  # directories and files this call created, in creation order
+    staged: list[tuple[Path, Path, art.FileEntry]] = []  # (staged file, destination, entry)
     by_rel: dict[str, Path] = {}
+    counts = _Counts()
     try:
         for member in art.iter_members(path, manifest):
             dest = destination(target, member.path)
             root = target if dest.is_relative_to(target) else Path(os.environ["TRITON_CACHE_DIR"]).absolute()
             stage = stages.get(root)
             if stage is None:
-                if not root.exists():
-                    _makedirs(root, created_roots)
+                _makedirs(root, created)
                 stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=root))
                 stages[root] = stage
-            tmp = stage / f"{len(staged)}"
+            tmp = stage / str(len(staged))
             if member.link_to is not None:
                 shutil.copyfile(by_rel[member.link_to], tmp)
             else:
                 with open(tmp, "xb") as f:  # "x": plain open honours the umask, unlike mkstemp's 0600
                     member.write(f)
             by_rel[member.path] = tmp
-            staged.append((tmp, dest))
-        written = present = kept = nbytes = 0
-        for tmp, dest in staged:
-            if dest.exists() or dest.is_symlink():
-                if not dest.is_symlink() and dest.is_file() and _same_file(dest, tmp):
-                    present += 1
-                else:
-                    kept += 1  # an entry already in the cache: never replace or delete it
-                    log.warning("kept existing %s (differs from the artifact's copy)", dest)
-                continue
-            _makedirs(dest.parent, [])
-            size = tmp.stat().st_size
-            os.replace(tmp, dest)
-            written += 1
-            nbytes += size
-        return written, present, kept, nbytes
+            staged.append((tmp, dest, member.entry))
+        for tmp, dest, entry in staged:
+            _makedirs(dest.parent, created)
+            if _link_no_clobber(tmp, dest):
+                created.append(dest)
+                counts.written += 1
+                counts.nbytes += entry.size
+            elif not dest.is_symlink() and dest.is_file() and art.sha256_file(dest) == entry.sha256:
+                counts.present += 1
+            else:
+                counts.kept.append(entry.path)  # an entry already in the cache: never replaced, never followed
+                log.warning("kept existing %s (differs from the artifact's copy)", dest)
+        return counts
     except BaseException as e:
-        # Staging first, then the directories this call created: the target ends exactly as it was.
         for stage in stages.values():
             shutil.rmtree(stage, ignore_errors=True)
         stages.clear()
-        _rollback_dirs(created_roots)
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
         if isinstance(e, OSError) and not isinstance(e, KernelpackError):
             raise InstallError(str(target), f"{type(e).__name__}: {e}") from e
         raise
     finally:
         for stage in stages.values():
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _link_no_clobber(src: Path, dest: Path) -> bool:
+    """Make ``dest`` appear atomically with ``src``'s content unless it exists; True if this call created it.
+
+    A hard link fails atomically on an existing name, where check-then-rename would race with torch or another node
+    writing the same entry. Filesystems without hard links fall back to check-then-rename.
+    """
+    try:
+        os.link(src, dest)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+    if dest.exists() or dest.is_symlink():
+        return False
+    os.replace(src, dest)
+    return True
 
 
 def _makedirs(d: Path, created: list[Path]) -> None:
@@ -301,23 +349,14 @@ def _makedirs(d: Path, created: list[Path]) -> None:
             created.append(p)
 
 
-def _rollback_dirs(created: list[Path]) -> None:
-    for d in reversed(created):
-        with contextlib.suppress(OSError):
-            d.rmdir()
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    return a.stat().st_size == b.stat().st_size and art.sha256_file(a) == art.sha256_file(b)
-
-
 def _write_marker(marker: Path, data: dict[str, object]) -> None:
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.tmp")
+    tmp = marker.with_name(f".{marker.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")  # unique across hosts too
     try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "x") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, marker)
-    except BaseException:
+    except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        raise
+        raise InstallError(str(marker.parent), f"cannot write the install marker: {type(e).__name__}: {e}") from e

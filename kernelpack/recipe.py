@@ -126,8 +126,10 @@ def load_recipe(path: str | Path) -> Recipe:
             data = tomllib.load(f)
     except FileNotFoundError:
         raise RecipeError(path, "<file>", "recipe file not found") from None
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(path, "<toml>", f"not valid TOML: {e}") from None
+    except OSError as e:
+        raise RecipeError(path, "<file>", f"cannot read: {type(e).__name__}: {e}") from None
     return parse_recipe(data, path=path)
 
 

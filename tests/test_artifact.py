@@ -195,7 +195,7 @@ def test_decompression_bomb_is_capped_from_the_manifest(tmp_path: Path, monkeypa
         art.read_manifest(tmp_path / "a.kpack")
 
 
-def test_member_larger_than_declared_total_is_refused(tmp_path: Path) -> None:
+def test_member_larger_than_its_manifest_size_is_refused(tmp_path: Path) -> None:
     big = b"z" * 4096
     e = entry("a", big)
     lying = manifest_for([art.FileEntry("a", 10, e.sha256)])
@@ -209,3 +209,60 @@ def test_scan_refuses_symlinks(tmp_path: Path) -> None:
     (tmp_path / "t" / "fxgraph" / "link").symlink_to("/etc/passwd")
     with pytest.raises(ArtifactError, match="non-regular"):
         art.scan_tree(tmp_path / "t")
+
+
+def test_huge_pax_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """A tiny artifact declaring a 96 MiB pax header: refused by the stream budget, not read into memory first."""
+    import resource
+    import time
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        ti = tarfile.TarInfo("manifest.json")
+        ti.pax_headers = {"comment": "x" * (96 << 20)}
+        tar.addfile(ti, io.BytesIO(b""))
+    path = tmp_path / "bomb.kpack"
+    path.write_bytes(zstandard.ZstdCompressor(level=3).compress(buf.getvalue()))
+    del buf
+    assert path.stat().st_size < 1 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    with pytest.raises(ArtifactError, match="expands past"):
+        art.read_manifest(path)
+    assert time.perf_counter() - t < 5
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 200, grown_mib
+
+
+@pytest.mark.parametrize(
+    "files, fragment",
+    [
+        ([{"path": "a", "size": float("inf"), "sha256": "0" * 64}], "bad size"),
+        ([{"path": "a", "size": "1", "sha256": "0" * 64}], "bad size"),
+        (
+            [{"path": "a", "size": 1, "sha256": "0" * 64}, {"path": "a/b", "size": 1, "sha256": "0" * 64}],
+            "both as a file and as a directory",
+        ),
+        ([{"path": "x" * 300, "size": 1, "sha256": "0" * 64}], "unsafe"),
+        ("not a list", "malformed"),
+    ],
+)
+def test_malformed_manifest_fields_are_artifact_errors(tmp_path: Path, files: object, fragment: str) -> None:
+    raw_artifact(tmp_path / "m.kpack", {**manifest_for([]), "files": files}, [])
+    with pytest.raises(ArtifactError, match=fragment):
+        art.read_manifest(tmp_path / "m.kpack")
+
+
+@pytest.mark.parametrize("field, value", [("recipe", "x"), ("configs", [1]), ("build_key", {"a": 1}), ("name", 3)])
+def test_manifest_with_wrong_types_is_refused(tmp_path: Path, field: str, value: object) -> None:
+    raw_artifact(tmp_path / "m.kpack", {**manifest_for([]), field: value}, [])
+    with pytest.raises(ArtifactError, match="malformed"):
+        art.read_manifest(tmp_path / "m.kpack")
+
+
+def test_unopenable_paths_are_artifact_errors(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ArtifactError, match="cannot open"):
+        art.read_manifest(tmp_path / "file" / "a.kpack")
+    with pytest.raises(ArtifactError, match="directory"):
+        art.read_manifest(tmp_path)

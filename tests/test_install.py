@@ -13,7 +13,7 @@ from conftest import repack, tree_digest
 
 from kernelpack import artifact as art
 from kernelpack.cli import main
-from kernelpack.errors import ArtifactError, KeyMismatchError
+from kernelpack.errors import ArtifactError, InstallError, KeyMismatchError
 from kernelpack.install import KernelpackWarning, install, marker_path
 
 
@@ -208,3 +208,52 @@ def test_marker_content(smoke_artifact: Path, tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         install(smoke_artifact, tmp_path / "c")
+
+
+def test_failed_install_does_not_touch_the_process_env(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
+    bad = corrupt_copy(smoke_artifact, tmp_path / "bad.kpack", 0.5)
+    with pytest.raises(ArtifactError):
+        install(bad, tmp_path / "target")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "before")
+
+
+def test_kept_entries_do_not_defeat_the_noop(smoke_artifact: Path, tmp_path: Path) -> None:
+    rel = next(iter(art.read_manifest(smoke_artifact).files))
+    target = tmp_path / "cache"
+    (target / rel).parent.mkdir(parents=True)
+    (target / rel).write_bytes(b"x")  # other size than the artifact's copy
+    assert install(smoke_artifact, target).kept == 1
+    again = install(smoke_artifact, target)
+    assert again.noop and (target / rel).read_bytes() == b"x"
+
+
+def test_failure_while_committing_rolls_back_what_it_placed(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A plain file where the artifact needs the fxgraph/ directory: the commit fails part-way (aotautograd/ sorts
+    first and is placed), and everything this install created is removed again."""
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "fxgraph").write_bytes(b"a file, not a directory")
+    before = tree_digest(target)
+    with pytest.raises(InstallError, match="fxgraph"):
+        install(smoke_artifact, target)
+    assert tree_digest(target) == before
+
+
+def test_eight_concurrent_installers_without_the_lock(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Correctness must not depend on the node lock (network filesystems can lie about flock)."""
+    target = tmp_path / "shared"
+    code = "import sys; from kernelpack.install import install; install(sys.argv[1], sys.argv[2])"
+    env = dict(os.environ, KERNELPACK_INSTALL_LOCK="0")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(smoke_artifact), str(target)], env=env, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(8)
+    ]
+    errs = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
+    assert [rc for rc, _ in errs] == [0] * 8, errs
+    assert_installed(target, smoke_artifact)
+    assert "kept existing" not in "".join(e for _, e in errs)

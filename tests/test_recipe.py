@@ -128,3 +128,10 @@ def test_cli_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert "error: " in err and "matrix.backward" in err and "hint: " in err and "Traceback" not in err
     assert not list(tmp_path.glob("*.kpack"))
+
+
+def test_non_utf8_recipe_is_a_recipe_error(tmp_path: Path) -> None:
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(RecipeError, match=r"latin1\.toml: <toml>"):
+        load_recipe(bad)
