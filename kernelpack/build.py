@@ -151,25 +151,27 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         except subprocess.TimeoutExpired:
             rc = None
     wall = time.perf_counter() - start
-    tail = _tail(log_file)
-    if result_file.exists():
+    try:
         r = json.loads(result_file.read_text())
-        return ConfigOutcome(
-            config,
-            bool(r["ok"]) and rc == 0,
-            r.get("seconds", 0.0),
-            wall,
-            r.get("errors", {}),
-            r.get("counters", {}),
-            r.get("build_key"),
-            r.get("message", ""),
-            "" if r["ok"] else tail,
-            cache_dir,
-        )
-    why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
-    if rc is not None and rc < 0:
-        why += f" (signal {-rc}; out of memory?)"
-    return ConfigOutcome(config, False, 0.0, wall, message=why, log_tail=tail, cache_dir=cache_dir)
+    except (OSError, ValueError):
+        r = {}  # no result (crash, kill, timeout) or a half-written one
+    ok = bool(r.get("ok")) and rc == 0
+    messages = [r["message"]] if r.get("message") else []
+    if rc != 0:
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
+        messages.append(why + (f" (signal {-rc}; out of memory?)" if rc is not None and rc < 0 else ""))
+    return ConfigOutcome(
+        config,
+        ok,
+        seconds=r.get("seconds", 0.0),
+        wall=wall,
+        errors=r.get("errors", {}),
+        counters=r.get("counters", {}),
+        build_key=r.get("build_key"),
+        message="; ".join(messages),
+        log_tail="" if ok else _tail(log_file),
+        cache_dir=cache_dir,
+    )
 
 
 def _tail(log_file: Path) -> str:
@@ -208,7 +210,7 @@ def _package(
         "format": art.FORMAT_VERSION,
         "kernelpack_version": __version__,
         "name": name,
-        "created": int(os.environ.get("SOURCE_DATE_EPOCH", time.time())),
+        "created": _created(),
         "recipe": {**recipe.normalized, "sha256": recipe.sha256},
         "configs": [
             {
@@ -235,6 +237,19 @@ def _package(
             hint="choose a writable output directory with -o and check its free space",
         ) from e
     return out, manifest
+
+
+def _created() -> int:
+    """Build time; SOURCE_DATE_EPOCH (reproducible-builds convention) fixes it so rebuilds are byte-identical."""
+    value = os.environ.get("SOURCE_DATE_EPOCH")
+    if value is None:
+        return int(time.time())
+    try:
+        return int(value)
+    except ValueError:
+        raise KernelpackError(
+            f"SOURCE_DATE_EPOCH={value!r} is not an integer", hint="unset it or give seconds"
+        ) from None
 
 
 def _worker_main(config_json: str, device_index: str, result_file: str) -> int:
@@ -267,7 +282,9 @@ def _worker_main(config_json: str, device_index: str, result_file: str) -> int:
 
         traceback.print_exc()
         result["message"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    Path(result_file).write_text(json.dumps(result))
+    tmp = Path(f"{result_file}.tmp")  # the parent must never read half a result
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, result_file)
     return 0 if result["ok"] else 1
 
 

@@ -173,6 +173,8 @@ def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, c
         f"{t['dense_calls']}"
     )
     click.echo(f"install {data['install_seconds']:.2f} s, first calls {data['first_step_seconds']:.2f} s in total")
+    if data.get("triton_detection", "").startswith("unavailable"):
+        click.echo(f"warning: Triton compiles could not be observed: {data['triton_detection']}", err=True)
     if ctx.obj["verbose"]:
         for c in data["configs"]:
             click.echo(f"  {c['describe']}: {c['seconds']:.2f} s")

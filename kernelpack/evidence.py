@@ -50,6 +50,7 @@ class DenseFallback(Exception):
 
 
 _refuse_dense = False
+triton_detection = "not installed"  # how Triton compiles are seen; verify reports it
 
 
 def install_hooks(*, refuse_dense: bool = False) -> None:
@@ -95,18 +96,42 @@ def compiled_anything(d: dict[str, int]) -> list[str]:
 
 
 def _hook_triton() -> None:
+    global triton_detection
+    try:
+        import triton
+    except ImportError:
+        triton_detection = "no triton"
+        return
     try:
         from triton import knobs  # triton >= 3.4
     except ImportError:
+        knobs = None
+    if knobs is not None:
+        previous = knobs.compilation.listener
+
+        def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+            own["triton_cache_loaded" if cache_hit else "triton_compiled"] += 1
+            if previous is not None:
+                previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+        knobs.compilation.listener = listener
+        triton_detection = "knobs.compilation.listener"
         return
-    previous = knobs.compilation.listener
+    # Older triton (3.2/3.3, shipped with torch 2.6-2.8): compile() reaches the backend's add_stages only on a miss.
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend
+    except ImportError:
+        triton_detection = f"unavailable (triton {triton.__version__})"
+        return
+    original = CUDABackend.add_stages
 
-    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
-        own["triton_cache_loaded" if cache_hit else "triton_compiled"] += 1
-        if previous is not None:
-            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+    @functools.wraps(original)
+    def add_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
+        own["triton_compiled"] += 1
+        return original(self, *args, **kwargs)
 
-    knobs.compilation.listener = listener
+    CUDABackend.add_stages = add_stages  # type: ignore[method-assign]
+    triton_detection = "CUDABackend.add_stages"
 
 
 def _hook_cpp() -> None:

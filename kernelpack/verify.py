@@ -90,6 +90,7 @@ def _worker_main(path: str, seed: str, check: str, result_file: str) -> int:
         import torch
 
         report["torch"] = {"version": torch.__version__, "git": torch.version.git_version}
+        report["triton_detection"] = evidence.triton_detection
         result = install(path)  # into TORCHINDUCTOR_CACHE_DIR, the empty directory the parent made
         report["install_seconds"] = result.seconds
         report["installed_files"] = result.written

@@ -183,3 +183,12 @@ def test_unwritable_output_is_a_clear_error(tmp_path: Path, capsys: pytest.Captu
     assert main(["build", str(SMOKE), "-o", str(blocker / "out"), "--jobs", "2"]) == 1
     err = capsys.readouterr().err
     assert "error: cannot write the artifact" in err and "Traceback" not in err
+
+
+def test_worker_timeout_is_a_failure_with_a_reason(tmp_path: Path) -> None:
+    """A worker that does not finish in time is killed and reported, with the reason, not dropped silently."""
+    from kernelpack.build import _run_worker
+    from kernelpack.recipe import load_recipe
+
+    outcome = _run_worker(load_recipe(SMOKE).configs[0], tmp_path / "w", 0, timeout=0.01)
+    assert not outcome.ok and "timed out" in outcome.message
