@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import repack
 
 from kernelpack import artifact as art
 from kernelpack.build import build
@@ -52,23 +53,12 @@ def test_verify_zero_misses_forward_and_backward(gpu_artifact: Path) -> None:
 
 def test_verify_fails_when_the_triton_kernels_are_missing(gpu_artifact: Path, tmp_path: Path) -> None:
     """Drop every Triton file and FX entry of the artifact: verify must see real compiles and fail."""
-    m = art.read_manifest(gpu_artifact)
-    entries = [e for e in m.files.values() if not e.path.startswith(("triton/", "fxgraph/"))]
-    src = tmp_path / "src"
-    keep = {}
-    for member in art.iter_members(gpu_artifact, m):
-        dest = src / member.path
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if member.link_to is not None:
-            dest.write_bytes((src / member.link_to).read_bytes())
-        else:
-            with open(dest, "wb") as f:
-                member.write(f)
-        if any(e.path == member.path for e in entries):
-            keep[member.path] = dest
-    data = dict(m.data, files=[{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries])
-    broken = tmp_path / "broken.kpack"
-    art.pack(broken, data, keep, entries)
+    broken = repack(
+        gpu_artifact,
+        tmp_path / "broken.kpack",
+        tmp_path / "w",
+        drop=lambda rel: rel.startswith(("triton/", "fxgraph/")),
+    )
     with pytest.raises(VerifyError) as exc:
         verify(broken)
     assert "FX-graph cache misses" in str(exc.value) and "Triton kernels compiled" in str(exc.value)
