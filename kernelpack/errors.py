@@ -100,3 +100,33 @@ class InstallError(KernelpackError, OSError):
     def __init__(self, target: str, message: str) -> None:
         self.target = target
         super().__init__(f"{target}: {message}", hint="check permissions and free space of the cache directory")
+
+
+class NotPrecompiledError(KernelpackError, RuntimeError):
+    """Strict mode: this call's config/device is not covered by the active artifact, so it would cold-compile."""
+
+    def __init__(self, call: str, nearest: Sequence[str], *, artifact: str | None) -> None:
+        self.call, self.nearest, self.artifact = call, list(nearest), artifact
+        lines = [f"flex_attention call not precompiled by {artifact or 'any active artifact'}: {call}"]
+        if nearest:
+            lines.append("nearest covered configs:")
+            lines += [f"  {n}" for n in nearest]
+        hint = "add this shape to the recipe and rebuild; or activate(strict=False) to compile it here (slow, logged)"
+        if any("device_index" in n for n in nearest):
+            hint = (
+                "the artifact covers other device indices: pin each worker's GPU as cuda:0 with "
+                "kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build with --devices covering this one"
+            )
+        super().__init__("\n".join(lines), hint=hint)
+
+
+class DenseFallbackError(KernelpackError, RuntimeError):
+    """flex_attention was about to run its dense math path (uncompiled): refused instead of OOMing or crawling."""
+
+    def __init__(self, message: str, *, score_bytes: int) -> None:
+        self.score_bytes = score_bytes
+        super().__init__(
+            message,
+            hint="call kernelpack.flex_attention (compiled), never torch's flex_attention eagerly; see README "
+            "'How to make your model hit the artifact'",
+        )

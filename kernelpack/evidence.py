@@ -45,10 +45,6 @@ OWN_COUNTERS = (
 )
 
 
-class DenseFallback(Exception):
-    """Raised from inside the dense path when :func:`install_hooks` was called with ``refuse_dense=True``."""
-
-
 _refuse_dense = False
 triton_detection = "not installed"  # how Triton compiles are seen; verify reports it
 
@@ -64,6 +60,12 @@ def install_hooks(*, refuse_dense: bool = False) -> None:
         _hook_cpp()
         _hook_dense()
         _installed = True
+
+
+def set_refuse_dense(refuse: bool) -> None:
+    """Whether the dense path raises DenseFallbackError (the runtime guard) or is only counted (the verifier)."""
+    global _refuse_dense
+    _refuse_dense = refuse
 
 
 def snapshot() -> dict[str, int]:
@@ -170,9 +172,12 @@ def _hook_dense() -> None:
             own["dense_calls"] += 1
             own["dense_bytes"] += nbytes
             if _refuse_dense:
-                raise DenseFallback(
-                    f"flex_attention ran its dense math path: a {tuple(query.shape)} x {tuple(key_.shape)} call "
-                    f"materializes {nbytes / 2**30:.2f} GiB of scores"
+                from .errors import DenseFallbackError
+
+                raise DenseFallbackError(
+                    f"flex_attention was about to run its dense math path (not compiled): a {tuple(query.shape)} x "
+                    f"{tuple(key_.shape)} call would materialize {_human(nbytes)} of float32 scores",
+                    score_bytes=nbytes,
                 )
         return original(query, key_, *args, **kwargs)
 
@@ -181,6 +186,10 @@ def _hook_dense() -> None:
     cache = getattr(hop, "_dispatch_cache", None)
     if isinstance(cache, dict):
         cache.clear()
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _is_functional(t: Any) -> bool:

@@ -30,6 +30,7 @@ def sliding_window(window: int) -> MaskMod:
     def sliding_window_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
 
+    sliding_window_mask.kernelpack_mask = f"sliding_window({window})"  # type: ignore[attr-defined]
     return sliding_window_mask
 
 
@@ -40,6 +41,7 @@ def sliding_window_bidirectional(window: int) -> MaskMod:
     def sliding_window_bidirectional_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return (q_idx - kv_idx < window) & (kv_idx - q_idx < window)
 
+    sliding_window_bidirectional_mask.kernelpack_mask = f"sliding_window_bidirectional({window})"  # type: ignore[attr-defined]
     return sliding_window_bidirectional_mask
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .masks import block_mask_for, mask_for
-from .runtime import compiled_flex_attention, flex_attention
+from .runtime import flex_attention, guarded
 
 if TYPE_CHECKING:
     import torch
@@ -55,11 +55,7 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         dout = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=q.dtype)
     bm = block_mask_for(config, device)
     # The public wrapper for the default options, so that verify proves what users call.
-    fn = (
-        flex_attention
-        if (config.mode, config.dynamic) == ("default", False)
-        else compiled_flex_attention(config.mode, config.dynamic)
-    )
+    fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else guarded(config.mode, config.dynamic)
     _sync(device)
     start = time.perf_counter()
     out = fn(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa, kernel_options=dict(config.kernel_options) or None)

@@ -14,14 +14,14 @@ from kernelpack import evidence
 evidence.install_hooks(refuse_dense=sys.argv[1] == 'refuse')
 from torch.nn.attention.flex_attention import flex_attention
 from kernelpack.masks import sliding_window, block_mask
-import kernelpack
+import kernelpack, kernelpack.errors
 q, k, v = (torch.randn(1, 2, 128, 16) for _ in range(3))
 bm = block_mask(sliding_window(32), 128, 128, 'cpu')
 out = {}
 s = evidence.snapshot()
 try:
     flex_attention(q, k, v, block_mask=bm)  # not compiled: the dense math path
-except evidence.DenseFallback as e:
+except kernelpack.errors.DenseFallbackError as e:
     out['refused'] = str(e)
 out['eager'] = evidence.delta(s, evidence.snapshot())
 s = evidence.snapshot()
@@ -52,4 +52,4 @@ def test_dense_path_and_cold_compile_are_seen_then_a_warm_start_is_clean(tmp_pat
 
 def test_refuse_dense_raises_with_the_score_memory(tmp_path: Path) -> None:
     out = run(tmp_path, "refuse")
-    assert "dense math path" in out["refused"] and "GiB of scores" in out["refused"]
+    assert "dense math path" in out["refused"] and "of float32 scores" in out["refused"]
