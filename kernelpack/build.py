@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ LOG_TAIL_LINES = 25
 class ConfigOutcome:
     config: Config
     ok: bool
+    device_index: int
     seconds: float  # first canonical call (compile + run), as measured in the worker
     wall: float  # the worker process, start-up included
     errors: dict[str, float] = field(default_factory=dict)
@@ -68,34 +70,47 @@ def build(
     *,
     jobs: int = 1,
     keep_going: bool = False,
-    device_index: int = 0,
+    devices: Sequence[int] = (0,),
     level: int = 10,
     timeout: float = 1800.0,
     progress: BuildProgress | None = None,
     workdir: str | Path | None = None,
 ) -> BuildResult:
+    """Build every config of the recipe on every device index in ``devices``.
+
+    Inductor's cache keys contain the device index of the inputs (pytorch#170123), so one process driving several
+    GPUs needs each config compiled per index; a job with one process per GPU pins its GPU as cuda:0 instead
+    (:func:`kernelpack.runtime.pin_local_gpu`) and needs only ``devices=(0,)``.
+    """
     recipe = load_recipe(recipe_path)
+    devices = sorted(set(devices))
+    if not devices or any(d < 0 for d in devices):
+        raise KernelpackError(f"devices must be non-negative GPU indices, got {devices}", hint="e.g. --devices 0,1")
+    if recipe.device == "cpu" and devices != [0]:
+        raise KernelpackError(
+            f"recipe {recipe.name!r} is for the CPU: --devices {devices} does not apply",
+            hint="drop --devices for CPU recipes",
+        )
     progress = progress or BuildProgress()
     start = time.perf_counter()
     own_workdir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="kernelpack-build-")) if workdir is None else Path(workdir)
     try:
-        progress.start(len(recipe.configs))
+        pairs = [(c, d) for c in recipe.configs for d in devices]
+        progress.start(len(pairs))
         outcomes: list[ConfigOutcome] = []
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = [pool.submit(_run_worker, c, work / c.id, device_index, timeout) for c in recipe.configs]
+            futures = [pool.submit(_run_worker, c, work / f"{c.id}-d{d}", d, timeout) for c, d in pairs]
             for fut in as_completed(futures):
                 outcome = fut.result()
                 outcomes.append(outcome)
                 progress.config_done(outcome)
-        outcomes.sort(key=lambda o: o.config.id)
+        outcomes.sort(key=lambda o: (o.config.id, o.device_index))
         failed = [o for o in outcomes if not o.ok]
-        if failed and not keep_going:
-            raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
         built = [o for o in outcomes if o.ok]
-        if not built:
+        if (failed and not keep_going) or not built:
             raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
-        path, manifest = _package(recipe, built, failed, Path(out_dir), device_index, level)
+        path, manifest = _package(recipe, built, failed, Path(out_dir), level)
         return BuildResult(path, manifest, outcomes, time.perf_counter() - start)
     finally:
         if own_workdir:
@@ -103,9 +118,10 @@ def build(
 
 
 def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
-    lines = [f"{len(failed)} of {len(recipe.configs)} config(s) of recipe {recipe.name!r} failed:"]
+    lines = [f"{len(failed)} (config, device) build(s) of recipe {recipe.name!r} failed:"]
     for o in failed:
-        lines.append(f"- {o.config.describe()}: {o.message}")
+        device = f" on cuda:{o.device_index}" if o.config.device == "cuda" else ""
+        lines.append(f"- {o.config.describe()}{device}: {o.message}")
         if o.log_tail:
             lines += ["    " + line for line in o.log_tail.splitlines()]
     return "\n".join(lines)
@@ -163,6 +179,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
     return ConfigOutcome(
         config,
         ok,
+        device_index,
         seconds=r.get("seconds", 0.0),
         wall=wall,
         errors=r.get("errors", {}),
@@ -187,15 +204,15 @@ def _package(
     built: list[ConfigOutcome],
     failed: list[ConfigOutcome],
     out_dir: Path,
-    device_index: int,
     level: int,
 ) -> tuple[Path, dict[str, Any]]:
+    devices = sorted({o.device_index for o in built})
     keys = {json.dumps(o.build_key, sort_keys=True) for o in built}
     if len(keys) != 1:
         raise BuildError(f"workers reported different build keys: {sorted(keys)}")
     build_key = built[0].build_key
     assert build_key is not None
-    # Merge: for a path more than one config wrote, the first config (by id) wins, so the result is deterministic.
+    # Merge: for a path more than one worker wrote, the first (by config id, then device) wins: deterministic.
     files: dict[str, Path] = {}
     for o in built:
         assert o.cache_dir is not None
@@ -212,19 +229,15 @@ def _package(
         "name": name,
         "created": _created(),
         "recipe": {**recipe.normalized, "sha256": recipe.sha256},
-        "configs": [
-            {
-                "id": o.config.id,
-                "params": o.config.to_dict(),
-                "compile_seconds": round(o.seconds, 3),
-                "max_rel_error": max(o.errors.values(), default=0.0),
-            }
-            for o in built
+        "configs": _config_entries(built),
+        "failed": [
+            {"id": o.config.id, "device": o.device_index, "params": o.config.to_dict(), "error": o.message}
+            for o in failed
         ],
-        "failed": [{"id": o.config.id, "params": o.config.to_dict(), "error": o.message} for o in failed],
         "build_key": build_key,
-        "device_index": device_index,
-        "devices": [device_index],
+        # device_index: where it was built (the first); devices: every index some config is covered on
+        "device_index": devices[0],
+        "devices": devices,
         "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
         "total_size": sum(e.size for e in entries),
     }
@@ -237,6 +250,24 @@ def _package(
             hint="choose a writable output directory with -o and check its free space",
         ) from e
     return out, manifest
+
+
+def _config_entries(built: list[ConfigOutcome]) -> list[dict[str, Any]]:
+    """One manifest entry per config, listing the device indices it was built and checked on."""
+    by_id: dict[str, list[ConfigOutcome]] = {}
+    for o in built:
+        by_id.setdefault(o.config.id, []).append(o)
+    return [
+        {
+            "id": cid,
+            "params": outs[0].config.to_dict(),
+            "devices": [o.device_index for o in outs],
+            "compile_seconds": round(max(o.seconds for o in outs), 3),
+            "compile_seconds_by_device": {str(o.device_index): round(o.seconds, 3) for o in outs},
+            "max_rel_error": max((e for o in outs for e in o.errors.values()), default=0.0),
+        }
+        for cid, outs in by_id.items()
+    ]
 
 
 def _created() -> int:

@@ -44,6 +44,15 @@ class _Progress(BuildProgress):
         )
 
 
+def _parse_devices(text: str) -> list[int]:
+    try:
+        return [int(d) for d in text.split(",") if d.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r} is not a comma-separated list of GPU indices", param_hint="--devices"
+        ) from None
+
+
 def _hms(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}:{s:02d}"
@@ -71,12 +80,15 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Directory for the artifact.")
 @click.option("-j", "--jobs", default=1, show_default=True, help="Configs compiled in parallel on the device.")
 @click.option("--keep-going", is_flag=True, help="Ship the configs that built; list the failed ones in the manifest.")
-@click.option("--device-index", default=0, show_default=True, help="CUDA device to build on.")
+@click.option(
+    "--devices",
+    default="0",
+    show_default=True,
+    help="CUDA device indices to build every config on, e.g. 0,1,2 (one process driving several GPUs).",
+)
 @click.option("--level", default=10, show_default=True, help="zstd level.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
-def build(
-    recipe: str, out_dir: str, jobs: int, keep_going: bool, device_index: int, level: int, timeout: float
-) -> None:
+def build(recipe: str, out_dir: str, jobs: int, keep_going: bool, devices: str, level: int, timeout: float) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
     from .build import build as run_build
 
@@ -85,7 +97,7 @@ def build(
         out_dir,
         jobs=jobs,
         keep_going=keep_going,
-        device_index=device_index,
+        devices=_parse_devices(devices),
         level=level,
         timeout=timeout,
         progress=_Progress(),
@@ -125,9 +137,10 @@ def inspect(artifact: str, as_json: bool) -> None:
     from .recipe import Config
 
     for c in m["configs"]:
-        click.echo(f"  {Config.from_dict(c['params']).describe()}  compile {c.get('compile_seconds', 0):.1f}s")
+        on = f"  devices {c['devices']}" if "devices" in c else ""
+        click.echo(f"  {Config.from_dict(c['params']).describe()}  compile {c.get('compile_seconds', 0):.1f}s{on}")
     for c in m.get("failed", []):
-        click.echo(f"  FAILED {c['id']}: {c.get('error', '')}")
+        click.echo(f"  FAILED {c['id']} (device {c.get('device', '?')}): {c.get('error', '')}")
 
 
 @cli.command()

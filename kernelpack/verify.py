@@ -95,10 +95,14 @@ def _worker_main(path: str, seed: str, check: str, result_file: str) -> int:
         report["install_seconds"] = result.seconds
         report["installed_files"] = result.written
         manifest = art.read_manifest(path)
-        index = int(manifest.data.get("device_index", 0))
-        configs = [Config.from_dict(c["params"]) for c in manifest.data["configs"]]
-        random.Random(int(seed)).shuffle(configs)
-        for config in configs:
+        default_devices = manifest.data.get("devices", [manifest.data.get("device_index", 0)])
+        pairs = [
+            (Config.from_dict(c["params"]), int(d))
+            for c in manifest.data["configs"]
+            for d in c.get("devices", default_devices)
+        ]
+        random.Random(int(seed)).shuffle(pairs)
+        for config, index in pairs:
             device = "cpu" if config.device == "cpu" else f"cuda:{index}"
             before = evidence.snapshot()
             call = run_config(config, device, check=check == "1")
@@ -109,7 +113,8 @@ def _worker_main(path: str, seed: str, check: str, result_file: str) -> int:
             report["configs"].append(
                 {
                     "id": config.id,
-                    "describe": config.describe(),
+                    "device": device,
+                    "describe": config.describe() + ("" if config.device == "cpu" else f" on {device}"),
                     "seconds": call.seconds,
                     "counters": d,
                     "reasons": reasons,

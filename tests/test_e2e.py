@@ -34,6 +34,7 @@ def test_build_manifest(smoke_artifact: Path) -> None:
     assert any(f["path"].startswith("aotautograd/") for f in m["files"])
     assert not any(f["path"].startswith("locks/") for f in m["files"])
     assert m["total_size"] == sum(f["size"] for f in m["files"]) > smoke_artifact.stat().st_size
+    assert m["devices"] == [0] and all(c["devices"] == [0] for c in m["configs"])
 
 
 def test_inspect_json_and_text(smoke_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -161,7 +162,7 @@ def test_build_failure_reports_config_and_writes_nothing(
 ) -> None:
     assert main(["build", str(user_recipe(tmp_path, "[64]")), "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
-    assert "1 of 1 config(s)" in err and "mask factory exploded" in err and "B=1 Hq=2" in err
+    assert "1 (config, device) build(s)" in err and "mask factory exploded" in err and "B=1 Hq=2" in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
@@ -192,3 +193,9 @@ def test_worker_timeout_is_a_failure_with_a_reason(tmp_path: Path) -> None:
 
     outcome = _run_worker(load_recipe(SMOKE).configs[0], tmp_path / "w", 0, timeout=0.01)
     assert not outcome.ok and "timed out" in outcome.message
+
+
+def test_devices_do_not_apply_to_cpu_recipes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["build", str(SMOKE), "-o", str(tmp_path), "--devices", "0,1"]) == 1
+    assert "does not apply" in capsys.readouterr().err
+    assert main(["build", str(SMOKE), "-o", str(tmp_path), "--devices", "zero"]) == 2

@@ -75,3 +75,23 @@ def test_cold_compile_is_seen_by_the_triton_listener(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     d = json.loads(out.strip().splitlines()[-1])
     assert d["triton_compiled"] > 0 and d["inductor.fxgraph_cache_miss"] >= 2
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif("_gpus() < 2", reason="needs 2 GPUs")
+def test_multi_device_build_covers_every_index(tmp_path: Path) -> None:
+    """One process driving several GPUs: every config compiled per device index, and each index hits."""
+    devices = list(range(_gpus()))
+    result = build(RECIPE, tmp_path, jobs=4, devices=devices)
+    assert result.artifact is not None and not result.failed
+    m = art.read_manifest(result.artifact).data
+    assert m["devices"] == devices and all(c["devices"] == devices for c in m["configs"])
+    assert {f["path"].split("/")[1] for f in m["files"] if f["path"].startswith("triton/")} == {str(d) for d in devices}
+    report = verify(result.artifact)
+    assert len(report.data["configs"]) == len(devices) * len(m["configs"])
+    assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["triton_compiled"] == 0
