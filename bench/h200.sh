@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
-#   bash bench/h200.sh [tests|build|bench|all]
+#   bash bench/h200.sh [tests|build|profile|bench|threads|bench-bg|collect|all]
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -38,6 +38,11 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/warm_start.py --artifact $ART_DIR/*.kpack --repeats ${REPEATS:-5} --cold-repeats ${COLD_REPEATS:-2} --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log"
   touch "$OUT/done"
+fi
+if [[ $what == threads ]]; then
+  # Issue 3: the seeds' 3 threads reaching their first flex call at once, cold torch.compile vs kernelpack.
+  python3 bench/threads_first_step.py --artifact $ART_DIR/*.kpack --threads 3 --timeout ${THREADS_TIMEOUT:-240} \
+    --out "$OUT/threads_first_step.json" 2>&1 | tee "$OUT/threads_first_step.log"
 fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.
 if [[ $what == bench-bg ]]; then
