@@ -71,6 +71,7 @@ def build(
     jobs: int = 1,
     keep_going: bool = False,
     devices: Sequence[int] = (0,),
+    shard: tuple[int, int] | None = None,
     level: int = 10,
     timeout: float = 1800.0,
     progress: BuildProgress | None = None,
@@ -81,8 +82,12 @@ def build(
     Inductor's cache keys contain the device index of the inputs (pytorch#170123), so one process driving several
     GPUs needs each config compiled per index; a job with one process per GPU pins its GPU as cuda:0 instead
     (:func:`kernelpack.runtime.pin_local_gpu`) and needs only ``devices=(0,)``.
+
+    ``shard=(i, n)`` builds the i-th (1-based) of n deterministic slices of the configs (sorted by id, every n-th);
+    :func:`merge` combines the shards into one artifact.
     """
     recipe = load_recipe(recipe_path)
+    configs = shard_configs(recipe.configs, shard)
     devices = sorted(set(devices))
     if not devices or any(d < 0 for d in devices):
         raise KernelpackError(f"devices must be non-negative GPU indices, got {devices}", hint="e.g. --devices 0,1")
@@ -96,7 +101,7 @@ def build(
     own_workdir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="kernelpack-build-")) if workdir is None else Path(workdir)
     try:
-        pairs = [(c, d) for c in recipe.configs for d in devices]
+        pairs = [(c, d) for c in configs for d in devices]
         progress.start(len(pairs))
         outcomes: list[ConfigOutcome] = []
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
@@ -110,7 +115,7 @@ def build(
         built = [o for o in outcomes if o.ok]
         if (failed and not keep_going) or not built:
             raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
-        path, manifest = _package(recipe, built, failed, Path(out_dir), level)
+        path, manifest = _package(recipe, built, failed, Path(out_dir), level, shard)
         return BuildResult(path, manifest, outcomes, time.perf_counter() - start)
     finally:
         if own_workdir:
@@ -205,6 +210,7 @@ def _package(
     failed: list[ConfigOutcome],
     out_dir: Path,
     level: int,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     devices = sorted({o.device_index for o in built})
     keys = {json.dumps(o.build_key, sort_keys=True) for o in built}
@@ -222,7 +228,7 @@ def _package(
     from .keys import BuildKey
 
     key = BuildKey.from_dict(build_key)
-    name = art.artifact_name(recipe.name, key.tag)
+    name = art.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}")
     manifest: dict[str, Any] = {
         "format": art.FORMAT_VERSION,
         "kernelpack_version": __version__,
@@ -241,7 +247,14 @@ def _package(
         "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
         "total_size": sum(e.size for e in entries),
     }
-    out = out_dir / name
+    if shard is not None:
+        manifest["shard"] = f"{shard[0]}/{shard[1]}"
+    return _write(out_dir / name, manifest, files, entries, level), manifest
+
+
+def _write(
+    out: Path, manifest: dict[str, Any], files: dict[str, Path], entries: list[art.FileEntry], level: int
+) -> Path:
     try:
         art.pack(out, manifest, files, entries, level=level)
     except OSError as e:
@@ -249,7 +262,97 @@ def _package(
             f"cannot write the artifact {out}: {type(e).__name__}: {e}",
             hint="choose a writable output directory with -o and check its free space",
         ) from e
+    return out
+
+
+def shard_configs(configs: Sequence[Config], shard: tuple[int, int] | None) -> list[Config]:
+    if shard is None:
+        return list(configs)
+    i, n = shard
+    if not (n >= 1 and 1 <= i <= n):
+        raise KernelpackError(f"bad shard {i}/{n}", hint="--shard I/N with 1 <= I <= N, e.g. --shard 2/4")
+    picked = sorted(configs, key=lambda c: c.id)[i - 1 :: n]
+    if not picked:
+        raise KernelpackError(f"shard {i}/{n} of {len(configs)} config(s) is empty", hint="use fewer shards")
+    return picked
+
+
+def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 10) -> tuple[Path, dict[str, Any]]:
+    """Combine artifacts of one recipe built for the same build key (CI shards) into one artifact.
+
+    Refuses mixed keys or recipes, naming the field that differs. Configs and devices are unioned; for a cache path
+    present in several inputs, the first input wins (inputs are taken in the order given).
+    """
+    import tempfile
+
+    from .keys import BuildKey
+
+    if len(artifacts) < 2:
+        raise KernelpackError("merge needs at least two artifacts", hint="kernelpack merge A.kpack B.kpack -o DIR")
+    manifests = [art.read_manifest(a) for a in artifacts]
+    first = manifests[0].data
+    key = BuildKey.from_dict(first["build_key"])
+    for path, m in zip(artifacts[1:], manifests[1:], strict=True):
+        diffs = differences_all(key, BuildKey.from_dict(m.data["build_key"]))
+        if diffs:
+            field, a, b = diffs[0]
+            raise KernelpackError(
+                f"cannot merge {path}: built for another environment ({field}: {b!r} != {a!r} in {artifacts[0]})",
+                hint="merge only shards built with the same torch build on the same GPU model",
+            )
+        if m.data["recipe"].get("sha256") != first["recipe"].get("sha256"):
+            raise KernelpackError(
+                f"cannot merge {path}: recipe {m.data['recipe'].get('name')!r} (sha256 "
+                f"{str(m.data['recipe'].get('sha256'))[:12]}) differs from {first['recipe'].get('name')!r}",
+                hint="merge only shards of the same recipe file",
+            )
+    with tempfile.TemporaryDirectory(prefix="kernelpack-merge-") as tmp:
+        files: dict[str, Path] = {}
+        configs: dict[str, dict[str, Any]] = {}
+        failed: list[dict[str, Any]] = []
+        for n, (path, m) in enumerate(zip(artifacts, manifests, strict=True)):
+            tree = Path(tmp, str(n))
+            for member in art.iter_members(path, m):
+                dest = tree / member.path
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if member.link_to is not None:
+                    dest.write_bytes((tree / member.link_to).read_bytes())
+                else:
+                    with open(dest, "wb") as f:
+                        member.write(f)
+                files.setdefault(member.path, dest)
+            for c in m.data["configs"]:
+                merged = configs.setdefault(c["id"], {**c, "devices": []})
+                merged["devices"] = sorted(set(merged["devices"]) | set(c.get("devices", [0])))
+            failed += m.data.get("failed", [])
+        entries = art.hash_files(files)
+        devices = sorted({d for c in configs.values() for d in c["devices"]})
+        built_ids = set(configs)
+        manifest = {
+            **{k: v for k, v in first.items() if k not in ("shard",)},
+            "name": art.artifact_name(first["recipe"]["name"], key.tag),
+            "created": _created(),
+            "configs": sorted(configs.values(), key=lambda c: c["id"]),
+            "failed": [f for f in failed if f["id"] not in built_ids],
+            "devices": devices,
+            "device_index": devices[0],
+            "merged_from": [m.data["name"] for m in manifests],
+            "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
+            "total_size": sum(e.size for e in entries),
+        }
+        out = _write(Path(out_dir) / manifest["name"], manifest, files, entries, level)
     return out, manifest
+
+
+def differences_all(a: Any, b: Any) -> list[tuple[str, str, str]]:
+    """Every differing build-key field, the install path included (merging needs identical builders)."""
+    import dataclasses
+
+    return [
+        (f.name, getattr(a, f.name), getattr(b, f.name))
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
 
 
 def _config_entries(built: list[ConfigOutcome]) -> list[dict[str, Any]]:

@@ -53,6 +53,38 @@ def _parse_devices(text: str) -> list[int]:
         ) from None
 
 
+def _parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    i, sep, n = text.partition("/")
+    if not (sep and i.isdigit() and n.isdigit()):
+        raise click.BadParameter(f"{text!r} is not I/N, e.g. 2/4", param_hint="--shard")
+    return int(i), int(n)
+
+
+def _storage_options(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``key=value`` pairs for fsspec; values that parse as JSON (numbers, true/false, objects) are decoded."""
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not key=value", param_hint="--storage-option")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+_storage_option = click.option(
+    "--storage-option",
+    "storage_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="fsspec storage option, e.g. endpoint_url=http://127.0.0.1:9000 (repeatable).",
+)
+
+
 def _hms(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}:{s:02d}"
@@ -86,9 +118,19 @@ def cli(ctx: click.Context, verbose: bool) -> None:
     show_default=True,
     help="CUDA device indices to build every config on, e.g. 0,1,2 (one process driving several GPUs).",
 )
+@click.option("--shard", default=None, metavar="I/N", help="Build the I-th of N deterministic slices (CI shards).")
 @click.option("--level", default=10, show_default=True, help="zstd level.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
-def build(recipe: str, out_dir: str, jobs: int, keep_going: bool, devices: str, level: int, timeout: float) -> None:
+def build(
+    recipe: str,
+    out_dir: str,
+    jobs: int,
+    keep_going: bool,
+    devices: str,
+    shard: str | None,
+    level: int,
+    timeout: float,
+) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
     from .build import build as run_build
 
@@ -98,6 +140,7 @@ def build(recipe: str, out_dir: str, jobs: int, keep_going: bool, devices: str, 
         jobs=jobs,
         keep_going=keep_going,
         devices=_parse_devices(devices),
+        shard=_parse_shard(shard),
         level=level,
         timeout=timeout,
         progress=_Progress(),
@@ -191,6 +234,104 @@ def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, c
     if ctx.obj["verbose"]:
         for c in data["configs"]:
             click.echo(f"  {c['describe']}: {c['seconds']:.2f} s")
+
+
+@cli.command()
+@click.argument("artifacts", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Directory for the merged artifact.")
+def merge(artifacts: tuple[str, ...], out_dir: str) -> None:
+    """Combine shards of one recipe built for the same torch build into one artifact."""
+    from .build import merge as run_merge
+
+    path, m = run_merge(artifacts, out_dir)
+    click.echo(f"wrote {path} ({len(m['configs'])} configs from {len(artifacts)} artifacts)")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(dir_okay=False))
+@click.argument("registry")
+@click.option("--force", is_flag=True, help="Replace a different artifact already published for this build.")
+@_storage_option
+def push(artifact: str, registry: str, force: bool, storage_options: tuple[str, ...]) -> None:
+    """Publish ARTIFACT to REGISTRY (payload first, entry and index last)."""
+    from .store import Registry
+
+    entry, status = Registry(registry, _storage_options(storage_options)).push(artifact, force=force)
+    click.echo(f"{status}: {registry.rstrip('/')}/{entry.path} (sha256 {entry.sha256[:16]}…, {_size(entry.size)})")
+
+
+@cli.command(name="ls")
+@click.argument("registry")
+@click.option("--recipe", default=None, help="Only this recipe.")
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+@_storage_option
+def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tuple[str, ...]) -> None:
+    """List the artifacts in REGISTRY."""
+    from dataclasses import asdict
+
+    from .store import Registry
+
+    entries = Registry(registry, _storage_options(storage_options)).entries(recipe)
+    if as_json:
+        click.echo(json.dumps([asdict(e) for e in entries], indent=1))
+        return
+    rows = [("recipe", "torch", "commit", "device", "size", "created", "path")]
+    for e in entries:
+        k = e.key
+        device = k.gpu_name if k.device_type == "cuda" else k.device_type
+        created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(e.created))
+        rows.append((e.recipe, k.torch_version, k.torch_git[:12], device, _size(e.size), created, e.path))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+
+
+@cli.command()
+@click.argument("registry")
+@click.option("--recipe", required=True, help="Recipe name.")
+@click.option("--install", "do_install", is_flag=True, help="Install into the cache dir after downloading.")
+@click.option("--cache-dir", default=None, help="Install target (default: TORCHINDUCTOR_CACHE_DIR or torch's).")
+@click.option("--lock", "lock_file", default=None, type=click.Path(dir_okay=False), help="Only the pinned artifact.")
+@click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
+@_storage_option
+def pull(
+    registry: str,
+    recipe: str,
+    do_install: bool,
+    cache_dir: str | None,
+    lock_file: str | None,
+    device_index: int,
+    storage_options: tuple[str, ...],
+) -> None:
+    """Download the artifact of RECIPE built for this environment (once per node), optionally install it."""
+    from .store import pull as run_pull
+
+    r = run_pull(
+        registry,
+        recipe,
+        lock=lock_file,
+        install=do_install,
+        cache_dir=cache_dir,
+        storage_options=_storage_options(storage_options),
+        device_index=device_index,
+    )
+    click.echo(f"{'downloaded' if r.downloaded else 'cached'}: {r.entry.path} -> {r.path}")
+    if r.installed is not None:
+        i = r.installed
+        click.echo(f"{'already installed' if i.noop else f'installed {i.written} files'} in {i.cache_dir}")
+
+
+@cli.command()
+@click.argument("registry")
+@click.option("--recipe", required=True, help="Recipe name.")
+@click.option("-o", "--out", default="kernelpack.lock", show_default=True, help="Lock file to write.")
+@_storage_option
+def lock(registry: str, recipe: str, out: str, storage_options: tuple[str, ...]) -> None:
+    """Pin every build of RECIPE in REGISTRY (artifact path and sha256 per build key)."""
+    from .store import Registry, write_lock
+
+    data = write_lock(Registry(registry, _storage_options(storage_options)), recipe, out)
+    click.echo(f"wrote {out}: {len(data['artifacts'])} pinned build(s) of {recipe}")
 
 
 def _show_warning(
