@@ -12,8 +12,9 @@ __version__ = "0.1.0"
 # Bound eagerly: importing the submodule kernelpack.install (which kernelpack itself does) would otherwise shadow a
 # lazily provided function with the module object. install.py imports no torch at module level.
 from .install import install
+from .store import install_from
 
-__all__ = ["__version__", "flex_attention", "install", "masks"]
+__all__ = ["__version__", "flex_attention", "install", "install_from", "masks"]
 
 
 def __getattr__(name: str) -> Any:

@@ -327,10 +327,15 @@ def activate(
     cache_dir: str | os.PathLike[str] | None = None,
     device_index: int = 0,
     allow_mismatch: bool = False,
+    registry: str | None = None,
+    recipe: str | None = None,
+    lock: str | os.PathLike[str] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Activation:
     """Call once at job start, in the main thread, before any worker thread or first forward.
 
-    Installs the artifact (``source``: a .kpack path; default ``$KERNELPACK_ARTIFACT``) into the cache dir inductor
+    Installs the artifact (``source``: a .kpack path, default ``$KERNELPACK_ARTIFACT``; or ``registry`` + ``recipe``
+    [+ ``lock``]: the registry's artifact for this environment, downloaded once per node) into the cache dir inductor
     will use, points this process at it, raises the recompile limit to cover it in every thread, refuses the dense
     path from now on, and (``strict``) refuses calls the artifact does not cover. Returns what is covered.
     """
@@ -340,6 +345,12 @@ def activate(
     from .masks import mask_for
     from .recipe import Config
 
+    if registry is not None:
+        if recipe is None:
+            raise KernelpackError("activate(registry=...) needs recipe=", hint="activate(registry=URL, recipe=NAME)")
+        from .store import pull
+
+        source = pull(registry, recipe, lock=lock, storage_options=storage_options, device_index=device_index).path
     source = source if source is not None else os.environ.get("KERNELPACK_ARTIFACT") or None
     evidence.install_hooks(refuse_dense=True)
     if source is None:

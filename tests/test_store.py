@@ -322,3 +322,16 @@ def test_entry_round_trip() -> None:
         devices=[0],
     )
     assert Entry.from_dict(dataclasses.asdict(e)) == e
+
+
+def test_activate_from_a_registry(smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelpack import runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
+    Registry(str(tmp_path / "reg")).push(smoke_artifact)
+    try:
+        act = runtime.activate(registry=str(tmp_path / "reg"), recipe="smoke-cpu", cache_dir=tmp_path / "cache")
+        assert len(act.covered) == 2 and act.install is not None and act.install.cache_dir == str(tmp_path / "cache")
+        assert act.artifact is not None and Path(act.artifact).read_bytes() == smoke_artifact.read_bytes()
+    finally:
+        runtime.deactivate()
