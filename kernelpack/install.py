@@ -69,6 +69,20 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(default_cache_dir()).absolute()
 
 
+def rank_cache_dir(base: str | os.PathLike[str] | None = None, local_rank: int | None = None) -> Path:
+    """A private cache dir per worker on a node: ``<base>/rank<LOCAL_RANK>`` (base: the inductor cache dir).
+
+    For jobs that keep one cache per rank instead of sharing the node directory; both are safe with concurrent
+    installers. ``local_rank`` defaults to $LOCAL_RANK.
+    """
+    if local_rank is None:
+        value = os.environ.get("LOCAL_RANK")
+        if value is None or not value.isdigit():
+            raise KernelpackError(f"LOCAL_RANK={value!r} is not a rank", hint="pass local_rank= or run under torchrun")
+        local_rank = int(value)
+    return resolve_cache_dir(base) / f"rank{local_rank}"
+
+
 def destination(cache_dir: Path, rel: str) -> Path:
     """Where a file of the artifact's tree goes. ``triton/<dev>/...`` follows TRITON_CACHE_DIR when it is set,
     exactly like inductor's ``triton_cache_dir()``."""

@@ -257,3 +257,16 @@ def test_eight_concurrent_installers_without_the_lock(smoke_artifact: Path, tmp_
     assert [rc for rc, _ in errs] == [0] * 8, errs
     assert_installed(target, smoke_artifact)
     assert "kept existing" not in "".join(e for _, e in errs)
+
+
+def test_rank_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelpack.errors import KernelpackError
+    from kernelpack.install import rank_cache_dir
+
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert rank_cache_dir(tmp_path) == tmp_path / "rank5"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "ind"))
+    assert rank_cache_dir() == tmp_path / "ind" / "rank5"
+    monkeypatch.delenv("LOCAL_RANK")
+    with pytest.raises(KernelpackError, match="LOCAL_RANK"):
+        rank_cache_dir()
