@@ -395,6 +395,21 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             )
 
 
+def unpack(path: str | Path, dest: Path) -> Manifest:
+    """Every file of the artifact's cache tree into ``dest``, verified (no staging: for scratch directories only;
+    installing into a live cache is :func:`kernelpack.install.install`'s job)."""
+    manifest = read_manifest(path)
+    for member in iter_members(path, manifest):
+        out = dest / member.path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if member.link_to is not None:
+            out.write_bytes((dest / member.link_to).read_bytes())
+        else:
+            with open(out, "wb") as f:
+                member.write(f)
+    return manifest
+
+
 def _no_write(dst: IO[bytes]) -> None:
     raise AssertionError("hard-link members have no bytes: copy the target's")
 

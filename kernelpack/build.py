@@ -312,15 +312,9 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
         failed: list[dict[str, Any]] = []
         for n, (path, m) in enumerate(zip(artifacts, manifests, strict=True)):
             tree = Path(tmp, str(n))
-            for member in art.iter_members(path, m):
-                dest = tree / member.path
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if member.link_to is not None:
-                    dest.write_bytes((tree / member.link_to).read_bytes())
-                else:
-                    with open(dest, "wb") as f:
-                        member.write(f)
-                files.setdefault(member.path, dest)
+            art.unpack(path, tree)
+            for rel in m.files:
+                files.setdefault(rel, tree / rel)
             for c in m.data["configs"]:
                 merged = configs.setdefault(c["id"], {**c, "devices": []})
                 merged["devices"] = sorted(set(merged["devices"]) | set(c.get("devices", [0])))

@@ -386,9 +386,10 @@ def deactivate() -> None:
 
 
 def guarded(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
-    """The guarded entry point for a recipe with non-default ``[compile]`` options (same signature as torch's)."""
+    """The guarded entry point compiled with these options: :data:`flex_attention` for the defaults, this for a
+    recipe with a non-default ``[compile]`` section."""
 
-    def call(
+    def flex_attention(
         query: Any,
         key: Any,
         value: Any,
@@ -400,6 +401,8 @@ def guarded(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
         kernel_options: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> Any:
+        """Same signature as ``torch.nn.attention.flex_attention.flex_attention``, compiled by kernelpack and
+        guarded (see kernelpack.runtime). Safe to call from many threads at once."""
         return _guarded_call(
             mode,
             dynamic,
@@ -415,37 +418,10 @@ def guarded(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
             kwargs,
         )
 
-    return call
+    return flex_attention
 
 
-def flex_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    score_mod: Callable[..., Any] | None = None,
-    block_mask: Any = None,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    return_lse: bool = False,
-    kernel_options: dict[str, Any] | None = None,
-    **kwargs: Any,
-) -> Any:
-    """Same signature as ``torch.nn.attention.flex_attention.flex_attention``, compiled with kernelpack's defaults
-    and guarded (see the module docstring). Safe to call from many threads at once."""
-    return _guarded_call(
-        "default",
-        False,
-        query,
-        key,
-        value,
-        score_mod,
-        block_mask,
-        scale,
-        enable_gqa,
-        return_lse,
-        kernel_options,
-        kwargs,
-    )
+flex_attention = guarded()
 
 
 def _guarded_call(

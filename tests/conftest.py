@@ -55,28 +55,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def unpack_tree(artifact: Path, dest: Path) -> dict:
-    """The artifact's cache tree into ``dest`` through kernelpack's own verified reader; returns the manifest."""
-    from kernelpack import artifact as art
-
-    m = art.read_manifest(artifact)
-    for member in art.iter_members(artifact, m):
-        p = dest / member.path
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if member.link_to is not None:
-            p.write_bytes((dest / member.link_to).read_bytes())
-        else:
-            with open(p, "wb") as f:
-                member.write(f)
-    return m.data
-
-
 def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **overrides: object) -> Path:
     """A copy of ``artifact`` with manifest fields replaced and/or files dropped, packed by kernelpack's packer."""
     from kernelpack import artifact as art
 
     tree = work / "tree"
-    data = unpack_tree(artifact, tree)
+    data = art.unpack(artifact, tree).data
     files = {rel: p for rel, p in art.scan_tree(tree).items() if not drop(rel)}
     entries = art.hash_files(files)
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
