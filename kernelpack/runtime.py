@@ -99,58 +99,35 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
 
 @dataclass(frozen=True, slots=True)
 class CallSignature:
-    """Everything about a call that selects a compiled graph: the unit of coverage and of first-call serialization."""
+    """Everything about a call that selects a compiled graph: the unit of coverage and of first-call serialization.
 
-    mask: str
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    dtype: str
-    backward: bool
-    device_type: str
+    It is a :class:`Config` whose mask is named by what the mask_mod computes (:func:`mask_key`, the window folded
+    in), plus the device index.
+    """
+
+    config: Config
     device_index: int | None
-    enable_gqa: bool
-    kernel_options: tuple[tuple[str, Any], ...] = ()
-    mode: str = "default"
-    dynamic: bool = False
 
     @classmethod
     def of_config(cls, config: Config, device_index: int | None, mask_mod: Callable[..., Any]) -> CallSignature:
-        return cls(
-            mask=mask_key(mask_mod),
-            batch=config.batch,
-            q_heads=config.q_heads,
-            kv_heads=config.kv_heads,
-            q_len=config.q_len,
-            kv_len=config.kv_len,
-            head_dim=config.head_dim,
-            dtype=config.dtype,
-            backward=config.backward,
-            device_type=config.device,
-            device_index=device_index if config.device == "cuda" else None,
-            enable_gqa=config.enable_gqa,
-            kernel_options=config.kernel_options,
-            mode=config.mode,
-            dynamic=config.dynamic,
-        )
+        normalized = dataclasses.replace(config, mask=mask_key(mask_mod), window=None)
+        return cls(normalized, device_index if config.device == "cuda" else None)
 
     def describe(self) -> str:
-        device = self.device_type if self.device_index is None else f"{self.device_type}:{self.device_index}"
-        lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
+        c = self.config
+        device = c.device if self.device_index is None else f"{c.device}:{self.device_index}"
+        lens = f"seq={c.q_len}" if c.q_len == c.kv_len else f"q_len={c.q_len} kv_len={c.kv_len}"
         return (
-            f"[{device} {self.mask} B={self.batch} Hq={self.q_heads} Hkv={self.kv_heads} {lens} D={self.head_dim} "
-            f"{self.dtype} {'fwd+bwd' if self.backward else 'fwd'}]"
+            f"[{device} {c.mask} B={c.batch} Hq={c.q_heads} Hkv={c.kv_heads} {lens} D={c.head_dim} {c.dtype} "
+            f"{'fwd+bwd' if c.backward else 'fwd'}]"
         )
 
     def differences(self, other: CallSignature) -> list[str]:
-        return [
-            f"{f.name} {getattr(self, f.name)!r} vs {getattr(other, f.name)!r}"
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        ]
+        a, b = self.config.to_dict(), other.config.to_dict()
+        diffs = [f"{k} {a[k]!r} vs {b[k]!r}" for k in a if a[k] != b[k]]
+        if self.device_index != other.device_index:
+            diffs.append(f"device_index {self.device_index!r} vs {other.device_index!r}")
+        return diffs
 
 
 _mask_keys: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
@@ -185,15 +162,18 @@ def mask_key(mask_mod: Callable[..., Any] | None) -> str:
     return key
 
 
-def signature_of(
-    query: Any, key: Any, block_mask: Any, enable_gqa: bool, kernel_options: Any, mode: str, dynamic: bool
-) -> CallSignature:
+def signature_of(query: Any, key: Any, block_mask: Any, kernel_options: Any, mode: str, dynamic: bool) -> CallSignature:
+    """The signature of a call; enable_gqa is implied by the head counts (torch refuses a mismatch)."""
     import torch
+
+    from .recipe import Config
 
     b, hq, q_len, d = query.shape
     device = query.device
-    return CallSignature(
+    config = Config(
+        device=device.type,
         mask=mask_key(getattr(block_mask, "mask_mod", None)),
+        window=None,
         batch=b,
         q_heads=hq,
         kv_heads=key.shape[1],
@@ -202,13 +182,11 @@ def signature_of(
         head_dim=d,
         dtype=str(query.dtype).removeprefix("torch."),
         backward=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad),
-        device_type=device.type,
-        device_index=device.index if device.type == "cuda" else None,
-        enable_gqa=bool(enable_gqa),
         kernel_options=tuple(sorted((kernel_options or {}).items())),
         mode=mode,
         dynamic=dynamic,
     )
+    return CallSignature(config, device.index if device.type == "cuda" else None)
 
 
 # ---------------------------------------------------------------------------------------------------- the gate
@@ -459,7 +437,7 @@ def _guarded_call(
 
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
         return call()
-    sig = signature_of(query, key, block_mask, enable_gqa, kernel_options, mode, dynamic)
+    sig = signature_of(query, key, block_mask, kernel_options, mode, dynamic)
     state = _state
     if sig in state.ready:
         with _gate.shared():
@@ -485,7 +463,7 @@ def _guarded_call(
         before = evidence.snapshot()
         start = time.perf_counter()
         out = call()
-        if sig.device_type == "cuda":
+        if sig.device_index is not None:
             torch.cuda.synchronize(query.device)
         state.first_calls.append(
             FirstCall(
