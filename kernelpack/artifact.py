@@ -346,7 +346,12 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             if ti.islnk():
                 target = ti.linkname
                 target_rel = target[len(TREE_PREFIX) :] if target.startswith(TREE_PREFIX) else None
-                if target_rel is None or target_rel not in seen or seen[target_rel] != entry.sha256:
+                if (
+                    target_rel is None
+                    or target_rel not in seen
+                    or seen[target_rel] != entry.sha256
+                    or manifest.files[target_rel].size != entry.size
+                ):
                     raise ArtifactError(
                         path, f"hard link to {target!r} is not an earlier member with this content", member=name
                     )

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -294,7 +295,8 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
             stage = stages.get(root)
             if stage is None:
                 _makedirs(root, created)
-                stage = Path(tempfile.mkdtemp(prefix=_STAGE_PREFIX, dir=root))
+                _remove_dead_stages(root)
+                stage = Path(tempfile.mkdtemp(prefix=_stage_prefix(), dir=root))
                 stages[root] = stage
             tmp = stage / str(len(staged))
             if member.link_to is not None:
@@ -329,6 +331,30 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
     finally:
         for stage in stages.values():
             shutil.rmtree(stage, ignore_errors=True)
+
+
+def _stage_prefix() -> str:
+    # host and pid in the name: a later install can tell a killed installer's leftovers from a live one's
+    return f"{_STAGE_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _remove_dead_stages(root: Path) -> None:
+    """Staging dirs of installers on this host that were killed (SIGKILL skips every cleanup) are removed."""
+    host = socket.gethostname()
+    for d in root.glob(f"{_STAGE_PREFIX}{host}-*-*"):
+        pid = d.name[len(_STAGE_PREFIX) + len(host) + 1 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _link_no_clobber(src: Path, dest: Path) -> bool:

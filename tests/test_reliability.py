@@ -1,0 +1,316 @@
+"""Faults: mutated artifacts, crowds of installers, installers killed at random points, resource limits.
+
+Every case ends in a clear KernelpackError with the target tree byte-for-byte as it was, or (a benign mutation, a
+crowd) in a tree whose every file matches the manifest. Counts go to $KERNELPACK_RELIABILITY_REPORT (JSON) when set,
+for docs/RELIABILITY.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import zstandard
+from conftest import repack, tree_digest
+
+from kernelpack import artifact as art
+from kernelpack.errors import KernelpackError
+from kernelpack.install import install
+
+MUTATIONS = int(os.environ.get("KERNELPACK_MUTATIONS", "540"))
+KILL_TRIALS = int(os.environ.get("KERNELPACK_KILL_TRIALS", "50"))
+
+
+def record(section: str, data: dict) -> None:
+    path = os.environ.get("KERNELPACK_RELIABILITY_REPORT")
+    if not path:
+        return
+    report = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    report[section] = data
+    Path(path).write_text(json.dumps(report, indent=1, sort_keys=True))
+
+
+# ---------------------------------------------------------------------------------------------- mutations
+
+
+def _members(raw: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+        return tar.getmembers()
+
+
+def _recompress(raw: bytes) -> bytes:
+    return zstandard.ZstdCompressor(level=3).compress(raw)
+
+
+def _flip(data: bytes, lo: int, hi: int, rng: random.Random) -> bytes:
+    b = bytearray(data)
+    i = rng.randrange(lo, hi)
+    b[i] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+def _rewrite(raw: bytes, edit_manifest=None, duplicate: str | None = None) -> bytes:  # type: ignore[no-untyped-def]
+    """Rebuild the tar with an edited manifest and/or one member written twice."""
+    src = tarfile.open(fileobj=io.BytesIO(raw))
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
+        for ti in src.getmembers():
+            data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
+            if ti.name == art.MANIFEST_NAME and edit_manifest is not None:
+                m = json.loads(data)  # type: ignore[arg-type]
+                edit_manifest(m)
+                data = json.dumps(m).encode()
+                ti.size = len(data)
+            dst.addfile(ti, io.BytesIO(data) if data is not None else None)
+            if ti.name == duplicate:
+                dst.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return out.getvalue()
+
+
+KINDS = (
+    "flip_compressed",
+    "flip_tar_header",
+    "flip_payload",
+    "flip_manifest",
+    "truncate",
+    "append_garbage",
+    "manifest_lies_sha256",
+    "manifest_lies_size",
+    "duplicate_member",
+)
+
+
+def mutate(original: bytes, raw: bytes, kind: str, rng: random.Random) -> bytes:
+    members = _members(raw)
+    files = [m for m in members if m.isreg() and m.size > 0 and m.name != art.MANIFEST_NAME]
+    if kind == "flip_compressed":
+        return _flip(original, 0, len(original), rng)
+    if kind == "truncate":
+        return original[: rng.randrange(0, len(original))]
+    if kind == "append_garbage":
+        return original + rng.randbytes(rng.randrange(1, 4096))
+    if kind == "flip_tar_header":
+        m = rng.choice(members)
+        return _recompress(_flip(raw, m.offset, m.offset_data, rng))
+    if kind == "flip_payload":
+        m = rng.choice(files)
+        return _recompress(_flip(raw, m.offset_data, m.offset_data + m.size, rng))
+    if kind == "flip_manifest":
+        m = members[0]
+        return _recompress(_flip(raw, m.offset_data, m.offset_data + m.size, rng))
+    if kind in ("manifest_lies_sha256", "manifest_lies_size"):
+
+        def edit(manifest: dict) -> None:
+            f = rng.choice(manifest["files"])
+            if kind == "manifest_lies_sha256":
+                f["sha256"] = hashlib.sha256(rng.randbytes(8)).hexdigest()
+            else:
+                f["size"] += rng.choice((-1, 1))
+
+        return _recompress(_rewrite(raw, edit_manifest=edit))
+    if kind == "duplicate_member":
+        return _recompress(_rewrite(raw, duplicate=rng.choice(files).name))
+    raise AssertionError(kind)
+
+
+def test_mutated_artifacts_are_rejected_or_install_identically(smoke_artifact: Path, tmp_path: Path) -> None:
+    original = smoke_artifact.read_bytes()
+    raw = zstandard.ZstdDecompressor().decompressobj().decompress(original)
+    manifest = art.read_manifest(smoke_artifact)
+    rng = random.Random(20261129)
+    target = tmp_path / "cache"
+    outcomes: Counter[str] = Counter()
+    failures = []
+    for i in range(MUTATIONS):
+        kind = KINDS[i % len(KINDS)]
+        bad = tmp_path / "m.kpack"
+        bad.write_bytes(mutate(original, raw, kind, rng))
+        shutil.rmtree(target, ignore_errors=True)
+        (target / "fxgraph" / "zz").mkdir(parents=True)
+        (target / "fxgraph" / "zz" / "existing-entry").write_bytes(b"an entry that was there before")
+        before = tree_digest(target)
+        try:
+            install(bad, target, set_env=False)
+        except KernelpackError:
+            outcomes[f"{kind}: rejected"] += 1
+            if tree_digest(target) != before:
+                failures.append(f"#{i} {kind}: rejected but the target changed")
+            continue
+        except Exception as e:  # anything else is a bug: a traceback instead of a clear error
+            failures.append(f"#{i} {kind}: {type(e).__name__}: {e}")
+            continue
+        outcomes[f"{kind}: benign"] += 1
+        for rel, e in manifest.files.items():
+            if hashlib.sha256((target / rel).read_bytes()).hexdigest() != e.sha256:
+                failures.append(f"#{i} {kind}: installed {rel} differs from the original")
+    record("mutations", {"tried": MUTATIONS, "outcomes": dict(sorted(outcomes.items())), "failures": failures})
+    assert not failures, failures[:10]
+    assert sum(n for k, n in outcomes.items() if k.endswith("rejected")) > 0.8 * MUTATIONS
+
+
+# ---------------------------------------------------------------------------------------------- crowds
+
+READER = r"""
+import hashlib, json, os, sys, time
+target, manifest_json, stop = sys.argv[1:4]
+expected = json.loads(open(manifest_json).read())
+checks = violations = 0
+while not os.path.exists(stop):
+    for dirpath, dirnames, filenames in os.walk(target):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".kernelpack")]
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, target)
+            if rel in expected:
+                try:
+                    data = open(p, "rb").read()
+                except FileNotFoundError:
+                    continue
+                checks += 1
+                if hashlib.sha256(data).hexdigest() != expected[rel]:
+                    violations += 1
+    time.sleep(0.002)
+print(json.dumps({"checks": checks, "violations": violations}))
+"""
+
+INSTALLER = "import sys; from kernelpack.install import install; install(sys.argv[1], sys.argv[2], set_env=False)"
+
+
+def disjoint_copy(artifact: Path, out: Path, work: Path) -> Path:
+    """Another artifact with the same build key and no path in common (top-level dirs renamed)."""
+    tree = work / "tree"
+    data = art.unpack(artifact, tree).data
+    moved = work / "moved"
+    for p in tree.rglob("*"):
+        if p.is_file():
+            rel = p.relative_to(tree)
+            dest = moved / f"{rel.parts[0]}-b" / Path(*rel.parts[1:])
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(p, dest)
+    files = art.scan_tree(moved)
+    entries = art.hash_files(files)
+    data = {**data, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    art.pack(out, data, files, entries)
+    return out
+
+
+def crowd(installs: list[Path], target: Path, tmp_path: Path) -> dict:
+    expected = {}
+    for a in installs:
+        expected.update({rel: e.sha256 for rel, e in art.read_manifest(a).files.items()})
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    stop = tmp_path / "stop"
+    reader = subprocess.Popen(
+        [sys.executable, "-c", READER, str(target), str(tmp_path / "expected.json"), str(stop)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", INSTALLER, str(a), str(target)], stderr=subprocess.PIPE, text=True)
+        for a in installs
+    ]
+    codes = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
+    stop.write_text("")
+    seen = json.loads(reader.communicate(timeout=60)[0])
+    assert [c for c, _ in codes] == [0] * len(procs), [e for _, e in codes if e][:2]
+    for rel, sha in expected.items():
+        assert hashlib.sha256((target / rel).read_bytes()).hexdigest() == sha, rel
+    assert not list(target.glob(".kernelpack-tmp-*"))
+    return seen
+
+
+def test_32_installers_of_one_artifact_with_a_reader(smoke_artifact: Path, tmp_path: Path) -> None:
+    seen = crowd([smoke_artifact] * 32, tmp_path / "cache", tmp_path)
+    record("crowd_same", {"installers": 32, **seen})
+    assert seen["violations"] == 0 and seen["checks"] > 0
+
+
+def test_8_installers_of_two_artifacts_give_the_union(smoke_artifact: Path, tmp_path: Path) -> None:
+    other = disjoint_copy(smoke_artifact, tmp_path / "b.kpack", tmp_path / "w")
+    seen = crowd([smoke_artifact, other] * 4, tmp_path / "cache", tmp_path)
+    record("crowd_two", {"installers": 8, **seen})
+    assert seen["violations"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- crashes
+
+KILLABLE = (
+    "import sys; from kernelpack import keys; keys.probe('cpu');"  # the slow part (torch import) before READY
+    "print('READY', flush=True); from kernelpack.install import install; install(sys.argv[1], sys.argv[2], "
+    "set_env=False); print('DONE', flush=True)"
+)
+
+
+def test_sigkill_at_random_points_leaves_no_partial_file(smoke_artifact: Path, tmp_path: Path) -> None:
+    manifest = art.read_manifest(smoke_artifact)
+    rng = random.Random(7)
+    outcomes: Counter[str] = Counter()
+    for trial in range(KILL_TRIALS):
+        target = tmp_path / f"t{trial}"
+        p = subprocess.Popen(
+            [sys.executable, "-c", KILLABLE, str(smoke_artifact), str(target)], stdout=subprocess.PIPE, text=True
+        )
+        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+        time.sleep(rng.uniform(0, 0.04))  # the install itself takes tens of ms after READY
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        rest = p.stdout.read()
+        outcomes["finished before the kill" if "DONE" in rest else "killed mid-install"] += 1
+        for f in target.rglob("*") if target.exists() else []:
+            rel = f.relative_to(target).as_posix()
+            if f.is_file() and not rel.startswith((".kernelpack-tmp-", ".kernelpack/")):
+                assert hashlib.sha256(f.read_bytes()).hexdigest() == manifest.files[rel].sha256, rel
+        # a re-run completes, and the killed installer's staging directory is gone
+        install(smoke_artifact, target, set_env=False)
+        assert not list(target.glob(".kernelpack-tmp-*"))
+        for rel, e in manifest.files.items():
+            assert hashlib.sha256((target / rel).read_bytes()).hexdigest() == e.sha256
+    record("sigkill", {"trials": KILL_TRIALS, "outcomes": dict(outcomes)})
+    assert outcomes["killed mid-install"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- resources
+
+EFBIG = (
+    "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN);"
+    "from kernelpack.cli import main; from kernelpack import keys; keys.probe('cpu');"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536));"
+    "sys.exit(main(['install', sys.argv[1], '--cache-dir', sys.argv[2]]))"
+)
+
+
+def test_file_size_limit_is_a_clear_error_and_the_tree_is_unchanged(smoke_artifact: Path, tmp_path: Path) -> None:
+    target = tmp_path / "cache"
+    (target / "fxgraph").mkdir(parents=True)
+    (target / "fxgraph" / "old").write_bytes(b"x")
+    before = tree_digest(target)
+    proc = subprocess.run(
+        [sys.executable, "-c", EFBIG, str(smoke_artifact), str(target)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "error: " in proc.stderr and "File too large" in proc.stderr and "Traceback" not in proc.stderr
+    assert tree_digest(target) == before
+
+
+def test_environment_drift_is_refused_field_by_field(smoke_artifact: Path, tmp_path: Path) -> None:
+    from kernelpack.errors import KeyMismatchError
+
+    m = art.read_manifest(smoke_artifact).data
+    drift = {"torch_git": "0" * 40, "gpu_name": "NVIDIA H100 80GB HBM3", "triton": "3.5.0"}
+    alien = repack(smoke_artifact, tmp_path / "a.kpack", tmp_path / "w", build_key={**m["build_key"], **drift})
+    with pytest.raises(KeyMismatchError) as exc:
+        install(alien, tmp_path / "cache", set_env=False)
+    assert sorted(d[0] for d in exc.value.differences) == sorted(drift)
+    assert not (tmp_path / "cache").exists()
