@@ -343,11 +343,11 @@ def _remove_dead_stages(root: Path) -> None:
     host = socket.gethostname()
     for d in root.glob(f"{_STAGE_PREFIX}{host}-*-*"):
         pid = d.name[len(_STAGE_PREFIX) + len(host) + 1 :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

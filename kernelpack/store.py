@@ -295,6 +295,7 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
     with FileLock(str(cache / f"{entry.sha256}.lock"), timeout=float(os.environ.get("KERNELPACK_LOCK_TIMEOUT", 600))):
         if final.is_file() and final.stat().st_size == entry.size:
             return final, False
+        _remove_dead_temps(cache, entry.sha256)
         tmp = cache / f".{entry.sha256}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
             registry.fetch(entry, tmp)
@@ -310,6 +311,17 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
             with contextlib.suppress(OSError):
                 tmp.unlink()
     return final, True
+
+
+def _remove_dead_temps(cache: Path, sha: str) -> None:
+    """Temp files of downloads killed on this node (SIGKILL skips every cleanup)."""
+    from .install import pid_alive
+
+    for tmp in cache.glob(f".{sha}.*.tmp"):
+        pid = tmp.name.split(".")[2]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
 
 # ------------------------------------------------------------------------------------------------ lock files

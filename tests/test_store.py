@@ -8,9 +8,11 @@ import functools
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,9 +43,20 @@ def download_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 class _Handler(http.server.SimpleHTTPRequestHandler):
     gets: Counter[str]
     truncate: bool = False
+    slow: bool = False
 
     def do_GET(self) -> None:
         self.gets[self.path] += 1
+        if self.slow and self.path.endswith(art.SUFFIX):
+            data = Path(self.translate_path(self.path)).read_bytes()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            for i in range(0, len(data), 4096):  # about 2.5 s for the smoke artifact: time to kill the client
+                self.wfile.write(data[i : i + 4096])
+                self.wfile.flush()
+                time.sleep(0.1)
+            return
         if self.truncate and self.path.endswith(art.SUFFIX):
             data = Path(self.translate_path(self.path)).read_bytes()
             self.send_response(200)
@@ -192,6 +205,27 @@ def test_server_dying_mid_download_leaves_nothing_that_looks_complete(
     assert not list(download_dir.glob(f"*{art.SUFFIX}")) and not list(download_dir.glob("*.tmp"))
     handler.truncate = False  # a later pull completes
     assert main(["pull", url, "--recipe", "smoke-cpu"]) == 0
+
+
+def test_a_killed_download_is_never_reused(http_registry: tuple, download_dir: Path, smoke_artifact: Path) -> None:
+    url, _, handler = http_registry
+    handler.slow = True
+    p = subprocess.Popen(
+        [sys.executable, "-m", "kernelpack.cli", "pull", url, "--recipe", "smoke-cpu"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while not list(download_dir.glob("*.tmp")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(download_dir.glob("*.tmp")), "the download never started"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not list(download_dir.glob(f"*{art.SUFFIX}"))  # only an orphaned temp file, which nothing reads
+    handler.slow = False
+    r = pull(url, "smoke-cpu")
+    assert r.downloaded and r.path.read_bytes() == smoke_artifact.read_bytes()
+    assert not list(download_dir.glob("*.tmp"))  # the killed download's temp file was cleaned up
 
 
 def test_partial_files_in_the_download_cache_are_never_reused(
