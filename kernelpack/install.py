@@ -299,15 +299,23 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
                 stage = Path(tempfile.mkdtemp(prefix=_stage_prefix(), dir=root))
                 stages[root] = stage
             tmp = stage / str(len(staged))
-            if member.link_to is not None:
-                shutil.copyfile(by_rel[member.link_to], tmp)
-            else:
-                with open(tmp, "xb") as f:  # "x": plain open honours the umask, unlike mkstemp's 0600
+            # 0644 under the umask: never group/world-writable, even with umask 0 (the cache is executed code)
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb") as f:
+                if member.link_to is not None:
+                    with open(by_rel[member.link_to], "rb") as src:
+                        shutil.copyfileobj(src, f)
+                else:
                     member.write(f)
             by_rel[member.path] = tmp
             staged.append((tmp, dest, member.entry))
+        real_roots = [r.resolve() for r in stages]
         for tmp, dest, entry in staged:
             _makedirs(dest.parent, created)
+            if not any(dest.parent.resolve().is_relative_to(r) for r in real_roots):
+                raise InstallError(
+                    str(target),
+                    f"{dest.parent} leads outside the cache directory (a symlink); refusing to write through it",
+                )
             if _link_no_clobber(tmp, dest):
                 created.append(dest)
                 counts.written += 1
@@ -385,15 +393,15 @@ def _makedirs(d: Path, created: list[Path]) -> None:
         p = p.parent
     for p in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            p.mkdir()
+            p.mkdir(mode=0o755)  # under the umask; never group/world-writable
             created.append(p)
 
 
 def _write_marker(marker: Path, data: dict[str, object]) -> None:
     tmp = marker.with_name(f".{marker.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")  # unique across hosts too
     try:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "x") as f:
+        _makedirs(marker.parent, [])
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
             f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
         os.replace(tmp, marker)
     except OSError as e:

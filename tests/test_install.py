@@ -270,3 +270,25 @@ def test_rank_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("LOCAL_RANK")
     with pytest.raises(KernelpackError, match="LOCAL_RANK"):
         rank_cache_dir()
+
+
+def test_never_writes_through_a_symlink_leaving_the_cache(smoke_artifact: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "fxgraph").symlink_to(outside, target_is_directory=True)
+    before = tree_digest(target)
+    with pytest.raises(InstallError, match="leads outside the cache directory"):
+        install(smoke_artifact, target)
+    assert list(outside.iterdir()) == [] and tree_digest(target) == before
+
+
+def test_no_world_writable_files_even_with_umask_zero(smoke_artifact: Path, tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        install(smoke_artifact, tmp_path / "c")
+    finally:
+        os.umask(old)
+    modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "c").rglob("*") if not p.is_symlink()}
+    assert modes and all(mode & 0o022 == 0 for mode in modes), sorted(oct(m) for m in modes)

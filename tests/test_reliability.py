@@ -314,3 +314,21 @@ def test_environment_drift_is_refused_field_by_field(smoke_artifact: Path, tmp_p
         install(alien, tmp_path / "cache", set_env=False)
     assert sorted(d[0] for d in exc.value.differences) == sorted(drift)
     assert not (tmp_path / "cache").exists()
+
+
+def test_read_only_target_is_a_clear_error(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A read-only bind mount of the target (root ignores permission bits, not a read-only filesystem)."""
+    target = tmp_path / "cache"
+    (target / "fxgraph").mkdir(parents=True)
+    (target / "fxgraph" / "old").write_bytes(b"x")
+    before = tree_digest(target)
+    script = (
+        f"mount --bind {target} {target} && mount -o remount,bind,ro {target} || exit 77; "
+        f"exec {sys.executable} -m kernelpack.cli install {smoke_artifact} --cache-dir {target}"
+    )
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, check=False)
+    if proc.returncode == 77 or "unshare failed" in proc.stderr or "Operation not permitted" in proc.stderr:
+        pytest.skip(f"cannot make a read-only mount here: {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "error: " in proc.stderr and "Read-only file system" in proc.stderr and "Traceback" not in proc.stderr
+    assert tree_digest(target) == before
