@@ -332,3 +332,43 @@ def test_read_only_target_is_a_clear_error(smoke_artifact: Path, tmp_path: Path)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "error: " in proc.stderr and "Read-only file system" in proc.stderr and "Traceback" not in proc.stderr
     assert tree_digest(target) == before
+
+
+PUSHER = (
+    "import sys; from kernelpack.store import Registry; reg = Registry(sys.argv[2]);"
+    "print('READY', flush=True); reg.push(sys.argv[1]); print('DONE', flush=True)"
+)
+
+
+def test_a_killed_push_is_never_listed(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A big artifact (so the upload takes a while) pushed and SIGKILLed at random points: every entry that a
+    listing shows has its complete payload behind it."""
+    from kernelpack.store import Registry
+
+    tree = tmp_path / "tree"
+    (tree / "fxgraph" / "aa").mkdir(parents=True)
+    (tree / "fxgraph" / "aa" / "big").write_bytes(os.urandom(192 << 20))  # incompressible
+    files = art.scan_tree(tree)
+    entries = art.hash_files(files)
+    m = art.read_manifest(smoke_artifact).data
+    data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    big = tmp_path / smoke_artifact.name
+    art.pack(big, data, files, entries, level=1)
+    shutil.rmtree(tree)
+    rng = random.Random(11)
+    outcomes: Counter[str] = Counter()
+    for trial in range(6):
+        reg_dir = tmp_path / f"reg{trial}"
+        p = subprocess.Popen([sys.executable, "-c", PUSHER, str(big), str(reg_dir)], stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
+        time.sleep(rng.uniform(0, 0.4))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        outcomes["finished" if "DONE" in p.stdout.read() else "killed"] += 1
+        if not reg_dir.exists():
+            continue
+        for entry in Registry(str(reg_dir)).entries():
+            payload = reg_dir / entry.path
+            assert payload.stat().st_size == entry.size and art.sha256_file(payload) == entry.sha256
+    record("push_kill", {"trials": 6, "outcomes": dict(outcomes)})
+    assert outcomes["killed"] > 0
