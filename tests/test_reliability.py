@@ -126,14 +126,23 @@ def mutate(original: bytes, raw: bytes, kind: str, rng: random.Random) -> bytes:
 
 
 def test_mutated_artifacts_are_rejected_or_install_identically(smoke_artifact: Path, tmp_path: Path) -> None:
+    run_mutations(smoke_artifact, tmp_path, MUTATIONS, seed=20261129)
+
+
+@pytest.mark.slow
+def test_many_more_mutations(smoke_artifact: Path, tmp_path: Path) -> None:
+    run_mutations(smoke_artifact, tmp_path, 10 * MUTATIONS, seed=1)
+
+
+def run_mutations(smoke_artifact: Path, tmp_path: Path, count: int, seed: int) -> None:
     original = smoke_artifact.read_bytes()
     raw = zstandard.ZstdDecompressor().decompressobj().decompress(original)
     manifest = art.read_manifest(smoke_artifact)
-    rng = random.Random(20261129)
+    rng = random.Random(seed)
     target = tmp_path / "cache"
     outcomes: Counter[str] = Counter()
     failures = []
-    for i in range(MUTATIONS):
+    for i in range(count):
         kind = KINDS[i % len(KINDS)]
         bad = tmp_path / "m.kpack"
         bad.write_bytes(mutate(original, raw, kind, rng))
@@ -155,9 +164,9 @@ def test_mutated_artifacts_are_rejected_or_install_identically(smoke_artifact: P
         for rel, e in manifest.files.items():
             if hashlib.sha256((target / rel).read_bytes()).hexdigest() != e.sha256:
                 failures.append(f"#{i} {kind}: installed {rel} differs from the original")
-    record("mutations", {"tried": MUTATIONS, "outcomes": dict(sorted(outcomes.items())), "failures": failures})
+    record(f"mutations_seed{seed}", {"tried": count, "outcomes": dict(sorted(outcomes.items())), "failures": failures})
     assert not failures, failures[:10]
-    assert sum(n for k, n in outcomes.items() if k.endswith("rejected")) > 0.8 * MUTATIONS
+    assert sum(n for k, n in outcomes.items() if k.endswith("rejected")) > 0.8 * count
 
 
 # ---------------------------------------------------------------------------------------------- crowds
