@@ -285,7 +285,7 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
     """
     import tempfile
 
-    from .keys import BuildKey
+    from .keys import BuildKey, differences
 
     if len(artifacts) < 2:
         raise KernelpackError("merge needs at least two artifacts", hint="kernelpack merge A.kpack B.kpack -o DIR")
@@ -293,7 +293,7 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
     first = manifests[0].data
     key = BuildKey.from_dict(first["build_key"])
     for path, m in zip(artifacts[1:], manifests[1:], strict=True):
-        diffs = differences_all(key, BuildKey.from_dict(m.data["build_key"]))
+        diffs = differences(key, BuildKey.from_dict(m.data["build_key"]), every_field=True)
         if diffs:
             field, a, b = diffs[0]
             raise KernelpackError(
@@ -336,17 +336,6 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
         }
         out = _write(Path(out_dir) / manifest["name"], manifest, files, entries, level)
     return out, manifest
-
-
-def differences_all(a: Any, b: Any) -> list[tuple[str, str, str]]:
-    """Every differing build-key field, the install path included (merging needs identical builders)."""
-    import dataclasses
-
-    return [
-        (f.name, getattr(a, f.name), getattr(b, f.name))
-        for f in dataclasses.fields(a)
-        if getattr(a, f.name) != getattr(b, f.name)
-    ]
 
 
 def _config_entries(built: list[ConfigOutcome]) -> list[dict[str, Any]]:

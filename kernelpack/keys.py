@@ -69,11 +69,13 @@ def device_slug(key: BuildKey) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "cuda"
 
 
-def differences(built: BuildKey, here: BuildKey) -> list[tuple[str, str, str]]:
-    """(field, artifact value, value here) for every field that would make the artifact miss here."""
+def differences(built: BuildKey, here: BuildKey, *, every_field: bool = False) -> list[tuple[str, str, str]]:
+    """(field, artifact value, value here) for every field that would make the artifact miss here.
+
+    ``every_field`` also compares the fields that cannot cause a miss (merging needs identical builders)."""
     diffs = []
     for f in dataclasses.fields(BuildKey):
-        if f.name == "torch_dir" and built.device_type != "cpu":
+        if f.name == "torch_dir" and built.device_type != "cpu" and not every_field:
             continue  # Triton kernels carry no install paths
         a, b = getattr(built, f.name), getattr(here, f.name)
         if a != b:
