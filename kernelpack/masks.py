@@ -100,13 +100,18 @@ def block_mask(
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    from .runtime import outside_first_calls
+
     if getattr(mask_mod, "per_batch", False) and batch is None:
         raise KernelpackError("this mask_mod is per-batch: pass batch=", hint="block_mask(..., batch=B)")
     if getattr(mask_mod, "per_head", False) and heads is None:
         raise KernelpackError("this mask_mod is per-head: pass heads=", hint="block_mask(..., heads=H)")
     b = batch if getattr(mask_mod, "per_batch", False) else None
     h = heads if getattr(mask_mod, "per_head", False) else None
-    return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device)
+    # create_block_mask traces the mask_mod (vmap, fx node meta) with torch state that a concurrent compile in another
+    # thread also uses; so it waits while a first call compiles or loads, like any other kernelpack call.
+    with outside_first_calls():
+        return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device)
 
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:

@@ -234,6 +234,11 @@ class _Gate:
 _gate = _Gate()
 
 
+def outside_first_calls() -> contextlib.AbstractContextManager[None]:
+    """Run torch tracing work (e.g. create_block_mask) alongside steady-state calls but never during a first call."""
+    return _gate.shared()
+
+
 def _wait_for_foreign_fx_trace() -> None:
     """torch.fx's tracing flag is process-global: if another thread is FX-tracing right now, a compiled call would
     raise or (error_on_nested_fx_trace=False) run uncompiled. Wait for it, bounded."""

@@ -50,7 +50,7 @@ def threads(artifact: str, cache: str) -> dict[str, Any]:
                 for c in cs[i % len(cs) :] + cs[: i % len(cs)]:
                     call(c)
             except BaseException as e:
-                errors.append(f"{type(e).__name__}: {e}")
+                errors.append(f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}")
 
         ts = [threading.Thread(target=worker, args=(i,), name=f"worker-{i}") for i in range(4)]
         for t in ts:
