@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
-#   bash bench/h200.sh [tests|build|profile|bench|threads|bench-bg|collect|all]
+#   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|all]
+# ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -18,7 +19,7 @@ export PYTHONPYCACHEPREFIX=/tmp/pycache
 what=${1:-all}
 python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.git_version, "triton", triton.__version__, torch.cuda.get_device_name(0))' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >> "$OUT/env.txt"
-ART_DIR=/tmp/kp-art
+ART_DIR=${ART_DIR:-/tmp/kp-art}
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi
@@ -42,8 +43,25 @@ fi
 if [[ $what == threads ]]; then
   # Issue 3: the seeds' 3 threads reaching their first flex call at once, cold torch.compile vs kernelpack.
   python3 bench/threads_first_step.py --artifact $ART_DIR/*.kpack --threads 3 --timeout ${THREADS_TIMEOUT:-240} \
-    --out "$OUT/threads_first_step.json" 2>&1 | tee "$OUT/threads_first_step.log"
+    --steady ${STEADY:-20} --out "$OUT/threads_first_step.json" 2>&1 | tee "$OUT/threads_first_step.log"
 fi
+# Issue 7 (every GPU of the machine; on a one-GPU kind these are dry runs of the same scripts).
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [[ $what == torchrun || $what == multi ]]; then
+  python3 bench/torchrun_first_step.py --artifact $ART_DIR/*.kpack --nproc "$NGPU" --timeout ${TORCHRUN_TIMEOUT:-300} \
+    --out "$OUT/torchrun_first_step.json" 2>&1 | tee "$OUT/torchrun_first_step.log"
+fi
+if [[ $what == spread || $what == multi ]]; then
+  # The seeds' layout: one process, thread i on cuda:i, from an artifact built for every device index.
+  rm -rf /tmp/kp-spread; mkdir -p /tmp/kp-spread
+  DEVICES=$(python3 -c "print(','.join(map(str, range($NGPU))))")
+  python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/kp-spread --jobs 6 --devices "$DEVICES" 2>&1 \
+    | tail -3 | tee "$OUT/spread-build.log"
+  python3 -m kernelpack.cli verify --json /tmp/kp-spread/*.kpack > "$OUT/spread-verify.json"; echo "verify exit $?" | tee -a "$OUT/spread-build.log"
+  python3 bench/threads_first_step.py --artifact /tmp/kp-spread/*.kpack --threads "$NGPU" --spread \
+    --timeout ${THREADS_TIMEOUT:-240} --modes ${SPREAD_MODES:-raw,kernelpack} --out "$OUT/threads_spread.json" 2>&1 | tee "$OUT/threads_spread.log"
+fi
+if [[ $what == keep ]]; then cp $ART_DIR/*.kpack "$OUT/"; fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.
 if [[ $what == bench-bg ]]; then
   rm -rf /tmp/bench-out; mkdir -p /tmp/bench-out

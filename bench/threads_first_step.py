@@ -24,7 +24,46 @@ import time
 from pathlib import Path
 
 
-def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str) -> None:
+def steady_state(fn, work: list, calls: int, sync) -> dict[str, float]:
+    """Every thread makes ``calls`` more calls at once; returns the wall time and, for the gated entry point, the most
+    calls seen inside kernelpack's gate together (1 would mean the gate serializes steady-state calls)."""
+    from kernelpack import runtime
+
+    barrier = threading.Barrier(len(work) + 1)
+    done = threading.Event()
+    samples: list[int] = []
+
+    def monitor() -> None:
+        barrier.wait()
+        while not done.is_set():
+            samples.append(runtime._gate._readers)
+            time.sleep(0.0002)
+
+    def loop(i: int) -> None:
+        c, device, q, k, v, dout, bm = work[i]
+        barrier.wait()
+        for _ in range(calls):
+            out = fn(q, k, v, block_mask=bm, enable_gqa=c.enable_gqa)
+            if dout is not None:
+                torch_grad(out, (q, k, v), dout)
+        sync(device)
+
+    from torch.autograd import grad as torch_grad
+
+    ts = [threading.Thread(target=loop, args=(i,)) for i in range(len(work))] + [threading.Thread(target=monitor)]
+    t0 = time.perf_counter()
+    for t in ts[:-1]:
+        t.start()
+    ts[-1].start()
+    for t in ts[:-1]:
+        t.join()
+    wall = time.perf_counter() - t0
+    done.set()
+    ts[-1].join()
+    return {"wall": wall, "max_inside_gate": max(samples, default=0)}
+
+
+def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str, steady: int) -> None:
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -95,6 +134,21 @@ def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str) -
     }
     if mode == "kernelpack":
         out["report"] = runtime.report().to_dict()
+        if steady and not [r for r in results.values() if not r["ok"]]:
+            # Same threads, same inputs: through the gate (kernelpack.flex_attention) and straight to the compiled
+            # function it wraps. Equal walls mean steady-state calls do not queue behind each other in the gate.
+            def sync(device: str) -> None:
+                if cuda:
+                    torch.cuda.synchronize(device)
+
+            raw_fn = runtime.compiled_flex_attention()
+            steady_state(raw_fn, work, 2, sync)  # warm both paths' per-thread state before timing
+            steady_state(fn, work, 2, sync)
+            out["steady"] = {
+                "calls_per_thread": steady,
+                "gated": [steady_state(fn, work, steady, sync) for _ in range(3)],
+                "ungated": [steady_state(raw_fn, work, steady, sync) for _ in range(3)],
+            }
     Path(result).write_text(json.dumps(out))
 
 
@@ -112,6 +166,7 @@ def run(mode: str, args: argparse.Namespace) -> dict:
             str(args.threads),
             "1" if args.spread else "0",
             str(result),
+            str(args.steady),
         ]
         t = time.perf_counter()
         try:
@@ -136,6 +191,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=3)
     ap.add_argument("--spread", action="store_true", help="thread i on cuda:i (several GPUs)")
     ap.add_argument("--timeout", type=float, default=400)
+    ap.add_argument("--steady", type=int, default=0, help="then N steady-state calls per thread, gated vs ungated")
     ap.add_argument("--modes", default="raw,kernelpack")
     ap.add_argument("--out", default="threads_first_step.json")
     args = ap.parse_args()
@@ -149,10 +205,19 @@ def main() -> None:
             print("  counters:", r["counters"])
         if "report" in r:
             print("  kernelpack:", r["report"]["summary"])
+        if "steady" in r:
+            st = r["steady"]
+            med = {k: sorted(x["wall"] for x in st[k])[1] for k in ("gated", "ungated")}
+            inside = max(x["max_inside_gate"] for x in st["gated"])
+            print(
+                f"  steady state, {args.threads} threads x {st['calls_per_thread']} calls, median of 3: gated "
+                f"{med['gated']:.3f} s, ungated {med['ungated']:.3f} s (x{med['gated'] / med['ungated']:.2f}); "
+                f"up to {inside} calls inside the gate at once"
+            )
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6])
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6], int(sys.argv[7]))
     else:
         main()
