@@ -143,12 +143,21 @@ def pack(
                         with open(files[rel], "rb") as f:
                             tar.addfile(_tarinfo(name, entry.size), f)
             raw.flush()
+            # mkstemp creates 0600; an artifact is meant to be shared (CI upload, a node's other users), so give it
+            # the mode a plain open() would have: 0666 under the umask.
+            os.fchmod(raw.fileno(), 0o666 & ~_umask())
             os.fsync(raw.fileno())
         os.replace(tmp, out_path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 # ---------------------------------------------------------------------------------------------------------- reading

@@ -85,6 +85,19 @@ _storage_option = click.option(
 )
 
 
+def _needs_torch(command: str) -> None:
+    """inspect, ls, push, merge and lock work without torch (a CI publish job need not install it); the commands that
+    compile, probe the build key or install say so plainly instead of failing deep inside with an ImportError."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise KernelpackError(
+            f"`kernelpack {command}` needs torch, which is not installed for {sys.executable}",
+            hint="install the torch build the artifact is for (pip install torch==...); inspect, ls, push, merge "
+            "and lock work without it",
+        )
+
+
 def _hms(seconds: float) -> str:
     m, s = divmod(int(seconds), 60)
     return f"{m}:{s:02d}"
@@ -132,6 +145,7 @@ def build(
     timeout: float,
 ) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
+    _needs_torch("build")
     from .build import build as run_build
 
     result = run_build(
@@ -193,6 +207,7 @@ def inspect(artifact: str, as_json: bool) -> None:
 @click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
 def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_index: int) -> None:
     """Install ARTIFACT into a TorchInductor cache directory (verified, atomic, idempotent)."""
+    _needs_torch("install")
     from .install import install as run_install
 
     r = run_install(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, set_env=False)
@@ -213,6 +228,7 @@ def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_i
 @click.pass_context
 def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool) -> None:
     """Prove ARTIFACT: in a fresh process, install it and check every config's first call compiles nothing."""
+    _needs_torch("verify")
     from .verify import verify as run_verify
 
     report = run_verify(artifact, seed=seed, check=check)
@@ -304,6 +320,7 @@ def pull(
     storage_options: tuple[str, ...],
 ) -> None:
     """Download the artifact of RECIPE built for this environment (once per node), optionally install it."""
+    _needs_torch("pull")
     from .store import pull as run_pull
 
     r = run_pull(

@@ -61,6 +61,20 @@ def test_pack_is_deterministic_and_independent_of_threads(tmp_path: Path) -> Non
     assert (tmp_path / "4.kpack").read_bytes() != one
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_artifact_file_mode_follows_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    """Not mkstemp's 0600: a published artifact must be readable by the node's other users under a usual umask."""
+    import os
+
+    make_tree(tmp_path / "t")
+    old = os.umask(umask)
+    try:
+        pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.kpack").stat().st_mode & 0o777 == mode
+
+
 def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path) -> None:
     content = make_tree(tmp_path / "t")
     pack_tree(tmp_path / "t", tmp_path / "a.kpack")
