@@ -48,3 +48,21 @@ def test_the_committed_fixture_is_intact(tmp_path: Path) -> None:
     m = art.unpack(FIXTURE, tmp_path / "tree")
     written = {p.relative_to(tmp_path / "tree").as_posix() for p in (tmp_path / "tree").rglob("*") if p.is_file()}
     assert written == set(m.files) and m.data["recipe"]["name"] == "tiny-cpu"
+
+
+def test_registry_commands_and_merge_work_without_torch(tmp_path: Path) -> None:
+    """What a publish job without torch runs: merge shards, push, ls, lock (README: these need no torch)."""
+    reg, copy = tmp_path / "reg", tmp_path / "copy.kpack"
+    copy.write_bytes(FIXTURE.read_bytes())
+    r = kernelpack_without_torch("merge", str(FIXTURE), str(copy), "-o", str(tmp_path / "merged"))
+    assert r.returncode == 0, r.stderr
+    (merged,) = (tmp_path / "merged").glob("*.kpack")
+    for args in (
+        ("push", str(merged), str(reg)),
+        ("ls", str(reg)),
+        ("lock", str(reg), "--recipe", "tiny-cpu", "-o", str(tmp_path / "k.lock")),
+    ):
+        r = kernelpack_without_torch(*args)
+        assert r.returncode == 0, (args, r.stderr)
+    lock = json.loads((tmp_path / "k.lock").read_text())
+    assert [a["sha256"] for a in lock["artifacts"]] == [art.sha256_file(merged)]
