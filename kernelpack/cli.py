@@ -93,8 +93,8 @@ def _needs_torch(command: str) -> None:
     if importlib.util.find_spec("torch") is None:
         raise KernelpackError(
             f"`kernelpack {command}` needs torch, which is not installed for {sys.executable}",
-            hint="install the torch build the artifact is for (pip install torch==...); inspect, ls, push, merge "
-            "and lock work without it",
+            hint="install the torch build you train with (pip install torch==...); inspect, ls, push, merge and lock "
+            "work without it",
         )
 
 

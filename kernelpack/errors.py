@@ -105,17 +105,18 @@ class InstallError(KernelpackError, OSError):
 class NotPrecompiledError(KernelpackError, RuntimeError):
     """Strict mode: this call's config/device is not covered by the active artifact, so it would cold-compile."""
 
-    def __init__(self, call: str, nearest: Sequence[str], *, artifact: str | None) -> None:
+    def __init__(self, call: str, nearest: Sequence[str], *, artifact: str | None, device_only: bool = False) -> None:
         self.call, self.nearest, self.artifact = call, list(nearest), artifact
         lines = [f"flex_attention call not precompiled by {artifact or 'any active artifact'}: {call}"]
         if nearest:
             lines.append("nearest covered configs:")
             lines += [f"  {n}" for n in nearest]
         hint = "add this shape to the recipe and rebuild; or activate(strict=False) to compile it here (slow, logged)"
-        if any("device_index" in n for n in nearest):
+        if device_only:
             hint = (
-                "the artifact covers other device indices: pin each worker's GPU as cuda:0 with "
-                "kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build with --devices covering this one"
+                "this config is built, but for other device indices (inductor's cache keys contain cuda:N): pin each "
+                "worker's GPU as cuda:0 with kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build "
+                "with --devices covering this one"
             )
         super().__init__("\n".join(lines), hint=hint)
 

@@ -455,7 +455,7 @@ def _guarded_call(
         config_id = active.covered.get(sig) if active else None
         if active is not None and config_id is None:
             if active.strict:
-                raise NotPrecompiledError(sig.describe(), _nearest(sig, active), artifact=active.artifact)
+                raise refusal(sig, active)
             if sig not in state.warned:
                 state.warned.add(sig)
                 warnings.warn(
@@ -483,9 +483,14 @@ def _guarded_call(
         return out
 
 
-def _nearest(sig: CallSignature, active: Activation, n: int = 3) -> list[str]:
+def refusal(sig: CallSignature, active: Activation, n: int = 3) -> NotPrecompiledError:
+    """Strict mode's error for an uncovered call: the call, the ``n`` nearest covered signatures with what differs,
+    and whether the device index is all that differs (then the fix is pinning or --devices, not the recipe)."""
     ranked = sorted(active.covered, key=lambda c: (len(c.differences(sig)), c.describe()))
-    return [f"{c.describe()} (differs in: {', '.join(c.differences(sig))})" for c in ranked[:n]]
+    nearest = [f"{c.describe()} (differs in: {', '.join(c.differences(sig))})" for c in ranked[:n]]
+    best = ranked[0].differences(sig) if ranked else []
+    device_only = len(best) == 1 and best[0].startswith("device_index")
+    return NotPrecompiledError(sig.describe(), nearest, artifact=active.artifact, device_only=device_only)
 
 
 # ---------------------------------------------------------------------------------------------------- report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from kernelpack import runtime
 from kernelpack.errors import KernelpackError
 
 SCENARIOS = Path(__file__).with_name("runtime_scenarios.py")
+REPO = Path(__file__).parent.parent
 
 
 def scenario(name: str, artifact: Path, tmp_path: Path) -> dict:
@@ -112,3 +114,23 @@ def test_pin_local_gpu_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     with pytest.raises(KernelpackError, match="lists 2"):
         runtime.pin_local_gpu(5)
+
+
+def _signature(device_index: int, **changes: object) -> runtime.CallSignature:
+    from kernelpack.masks import mask_for
+    from kernelpack.recipe import load_recipe
+
+    config = dataclasses.replace(load_recipe(REPO / "recipes" / "dflash-drafter.toml").configs[0], **changes)
+    return runtime.CallSignature.of_config(config, device_index, mask_for(config))
+
+
+def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs() -> None:
+    """An artifact built on cuda:0 and a rank on cuda:3 (the unpinned torchrun case): the error must point at
+    pin_local_gpu / --devices; a shape that is missing everywhere must point at the recipe instead."""
+    active = runtime.Activation(artifact="a.kpack", strict=True, covered={_signature(0): "id0"}, devices=(0,))
+    err = runtime.refusal(_signature(3), active)
+    assert "cuda:3" in str(err) and "device_index 0 vs 3" in str(err)
+    assert err.hint is not None and "pin_local_gpu" in err.hint and "--devices" in err.hint
+    other_shape = runtime.refusal(_signature(3, q_len=2048, kv_len=2048), active)
+    assert "q_len 4096 vs 2048" in str(other_shape)
+    assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint
