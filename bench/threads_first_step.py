@@ -27,6 +27,8 @@ from pathlib import Path
 def steady_state(fn, work: list, calls: int, sync) -> dict[str, float]:
     """Every thread makes ``calls`` more calls at once; returns the wall time and, for the gated entry point, the most
     calls seen inside kernelpack's gate together (1 would mean the gate serializes steady-state calls)."""
+    from torch.autograd import grad as torch_grad
+
     from kernelpack import runtime
 
     barrier = threading.Barrier(len(work) + 1)
@@ -48,18 +50,16 @@ def steady_state(fn, work: list, calls: int, sync) -> dict[str, float]:
                 torch_grad(out, (q, k, v), dout)
         sync(device)
 
-    from torch.autograd import grad as torch_grad
-
-    ts = [threading.Thread(target=loop, args=(i,)) for i in range(len(work))] + [threading.Thread(target=monitor)]
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(len(work))]
+    mon = threading.Thread(target=monitor)
     t0 = time.perf_counter()
-    for t in ts[:-1]:
+    for t in [*workers, mon]:
         t.start()
-    ts[-1].start()
-    for t in ts[:-1]:
+    for t in workers:
         t.join()
     wall = time.perf_counter() - t0
     done.set()
-    ts[-1].join()
+    mon.join()
     return {"wall": wall, "max_inside_gate": max(samples, default=0)}
 
 

@@ -22,8 +22,8 @@ import io
 import json
 import os
 import posixpath
+import secrets
 import tarfile
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +123,10 @@ def pack(
         level, threads=threads, enable_ldm=True, window_log=WINDOW_LOG, write_checksum=True
     )
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_path.parent, prefix=f".{out_path.name}.", suffix=".tmp")
+    tmp = out_path.with_name(f".{out_path.name}.{secrets.token_hex(4)}.tmp")
+    # 0644 under the umask, like any file a user writes (mkstemp's 0600 would hide a shared artifact from the node's
+    # other users and CI uploaders), and never group/world-writable: the artifact carries executable kernels.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with os.fdopen(fd, "wb") as raw:
             cctx = zstandard.ZstdCompressor(compression_params=params)
@@ -143,21 +146,12 @@ def pack(
                         with open(files[rel], "rb") as f:
                             tar.addfile(_tarinfo(name, entry.size), f)
             raw.flush()
-            # mkstemp creates 0600; an artifact is meant to be shared (CI upload, a node's other users), so give it
-            # the mode a plain open() would have: 0666 under the umask.
-            os.fchmod(raw.fileno(), 0o666 & ~_umask())
             os.fsync(raw.fileno())
         os.replace(tmp, out_path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
-    os.umask(mask)
-    return mask
 
 
 # ---------------------------------------------------------------------------------------------------------- reading

@@ -61,9 +61,10 @@ def test_pack_is_deterministic_and_independent_of_threads(tmp_path: Path) -> Non
     assert (tmp_path / "4.kpack").read_bytes() != one
 
 
-@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600), (0o000, 0o644)])
 def test_artifact_file_mode_follows_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
-    """Not mkstemp's 0600: a published artifact must be readable by the node's other users under a usual umask."""
+    """Not mkstemp's 0600: a published artifact must be readable by the node's other users under a usual umask, and
+    never writable by them, even with umask 0 (it carries executable kernels)."""
     import os
 
     make_tree(tmp_path / "t")
