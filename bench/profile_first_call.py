@@ -20,13 +20,12 @@ def main() -> None:
     do_install = "--install" in sys.argv
     import torch
 
+    from kernelpack import install
     from kernelpack.artifact import read_manifest
-    from kernelpack.install import install
     from kernelpack.masks import block_mask_for
-    from kernelpack.recipe import Config
     from kernelpack.workload import run_config
 
-    configs = [Config.from_dict(c["params"]) for c in read_manifest(artifact).data["configs"]]
+    configs = [c.config for c in read_manifest(artifact).configs]
     device = "cuda:0" if configs[0].device == "cuda" else "cpu"
     if device != "cpu":
         torch.zeros(1, device=device)

@@ -29,7 +29,7 @@ def steady_state(fn, work: list, calls: int, sync) -> dict[str, float]:
     calls seen inside kernelpack's gate together (1 would mean the gate serializes steady-state calls)."""
     from torch.autograd import grad as torch_grad
 
-    from kernelpack import runtime
+    from kernelpack import compiled
 
     barrier = threading.Barrier(len(work) + 1)
     done = threading.Event()
@@ -38,7 +38,7 @@ def steady_state(fn, work: list, calls: int, sync) -> dict[str, float]:
     def monitor() -> None:
         barrier.wait()
         while not done.is_set():
-            samples.append(runtime._gate._readers)
+            samples.append(compiled.gate.readers)
             time.sleep(0.0002)
 
     def loop(i: int) -> None:
@@ -67,13 +67,12 @@ def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str, s
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
-    from kernelpack import evidence, runtime
+    from kernelpack import compiled, evidence, runtime
     from kernelpack.artifact import read_manifest
     from kernelpack.masks import block_mask_for
-    from kernelpack.recipe import Config
     from kernelpack.workload import make_inputs
 
-    configs = [Config.from_dict(c["params"]) for c in read_manifest(artifact).data["configs"]]
+    configs = [c.config for c in read_manifest(artifact).configs]
     cuda = configs[0].device == "cuda"
     ndev = torch.cuda.device_count() if (cuda and spread) else 1
     if mode == "kernelpack":
@@ -141,7 +140,7 @@ def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str, s
                 if cuda:
                     torch.cuda.synchronize(device)
 
-            raw_fn = runtime.compiled_flex_attention()
+            raw_fn = compiled.compiled_flex_attention()
             steady_state(raw_fn, work, 2, sync)  # warm both paths' per-thread state before timing
             steady_state(fn, work, 2, sync)
             out["steady"] = {

@@ -43,12 +43,11 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
     from kernelpack import evidence
     from kernelpack.artifact import read_manifest
     from kernelpack.masks import block_mask_for
-    from kernelpack.recipe import Config
     from kernelpack.workload import make_inputs
 
     device = "cuda:0" if mode == "pinned" else f"cuda:{local_rank}"
     torch.cuda.set_device(device)
-    configs = [Config.from_dict(c["params"]) for c in read_manifest(artifact).data["configs"]]
+    configs = [c.config for c in read_manifest(artifact).configs]
     work = []
     for c in configs:
         q, k, v = make_inputs(c, device)

@@ -31,12 +31,11 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
 
     from kernelpack import evidence
     from kernelpack.artifact import read_manifest
-    from kernelpack.recipe import Config
     from kernelpack.workload import run_config
 
     evidence.install_hooks()
     manifest = read_manifest(artifact)
-    configs = [Config.from_dict(c["params"]) for c in manifest.data["configs"]]
+    configs = [c.config for c in manifest.configs]
     if any(c.device == "cuda" for c in configs):
         torch.cuda.init()
         torch.zeros(1, device="cuda")
@@ -47,7 +46,7 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         torch.compiler.load_cache_artifacts(Path(blob).read_bytes())
         prep = time.perf_counter() - t0
     elif mode == "kernelpack":
-        from kernelpack.install import install
+        from kernelpack import install
 
         r = install(artifact, cache_dir)
         prep = time.perf_counter() - t0
@@ -146,7 +145,7 @@ def main() -> None:
             "summary": summary,
             "sizes": sizes,
             "samples": samples,
-            "configs": len(manifest.data["configs"]),
+            "configs": len(manifest.configs),
             "torch": samples["cold"][0]["torch"],
             "git": samples["cold"][0]["git"],
             "speedup_vs_cold": cold / kp,

@@ -1,29 +1,35 @@
 """kernelpack: build once, ship, install and prove precompiled torch.compile(flex_attention) caches.
 
-torch is imported lazily: ``import kernelpack``, ``kernelpack --help`` and ``kernelpack inspect`` never import it.
+The names a training script uses, resolved lazily: ``import kernelpack``, ``kernelpack --help`` and
+``kernelpack inspect`` never import torch.
+
+- ``kernelpack.install(artifact)``, ``kernelpack.install_from(registry, recipe)``: job start without the runtime guard
+  (:mod:`kernelpack.runtime` has ``activate()``, the start with it);
+- ``kernelpack.flex_attention``: torch's flex_attention, compiled once for the process and guarded;
+- ``kernelpack.rank_cache_dir()``: a private cache dir per worker on a node;
+- ``kernelpack.masks``: the canonical mask_mods and the BlockMask helper.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
-# Bound eagerly: importing the submodule kernelpack.install (which kernelpack itself does) would otherwise shadow a
-# lazily provided function with the module object. install.py imports no torch at module level.
-from .install import install
-from .store import install_from
+__all__ = ["__version__", "flex_attention", "install", "install_from", "masks", "rank_cache_dir", "runtime"]
 
-__all__ = ["__version__", "flex_attention", "install", "install_from", "masks"]
+_FROM = {
+    "flex_attention": "runtime",
+    "install": "runtime",
+    "install_from": "runtime",
+    "rank_cache_dir": "installer",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "flex_attention":
-        from .runtime import flex_attention
-
-        return flex_attention
-    if name == "masks":
-        import importlib
-
-        return importlib.import_module(".masks", __name__)  # "from . import masks" would recurse into here
+    if name in _FROM:
+        return getattr(importlib.import_module(f".{_FROM[name]}", __name__), name)
+    if name in ("masks", "runtime"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'kernelpack' has no attribute {name!r}")

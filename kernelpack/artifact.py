@@ -6,30 +6,44 @@ Layout::
     cache/<path in the cache dir> one regular member per distinct content; a later file with the same content is a
                                   hard-link member pointing at the first one (tar's own dedup, so ``tar -x`` works)
 
+:class:`Manifest` is the manifest's one typed owner: parsed and validated in one place (:meth:`Manifest.from_dict`)
+whoever reads it, written in one place (:meth:`Manifest.to_dict`); it answers which (config, device) pairs the
+artifact holds (:meth:`Manifest.pairs`) and whether it covers a call (:meth:`Manifest.covers`).
+
 Packing is deterministic: members sorted, mtime/uid/gid/uname/gname fixed, modes normalized, and zstd's
 multi-threaded output does not depend on the thread count, so the same cache tree and manifest give the same bytes.
 
 Reading never trusts the archive: every member is checked against the manifest (name, type, size, sha256) while it
 streams, names must be normalized relative paths under ``cache/``, the only links allowed are hard links to an
 earlier member, and the expanded size is capped by the manifest's own total before anything is read.
+
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
 import os
 import posixpath
-import secrets
 import tarfile
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import ArtifactError, ArtifactNotFoundError, KernelpackError
+from . import _fs, settings
+from ._fs import sha256_file
+from ._version import __version__
+from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, KernelpackError
+from .keys import BuildKey, differences
+from .recipe import Config, check_name
+from .signature import CallSignature
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -43,17 +57,6 @@ _CHUNK = 1 << 20
 
 # Never shipped: inductor's lock files, kernelpack's own bookkeeping, half-written temporaries.
 _SKIP_DIRS = {"locks", ".kernelpack"}
-
-
-def max_expanded_bytes() -> int:
-    """Refuse artifacts whose manifest declares more than this (decompression-bomb cap); env at call time."""
-    value = os.environ.get("KERNELPACK_MAX_EXPANDED_BYTES", str(64 << 30))
-    try:
-        return int(value)
-    except ValueError:
-        raise KernelpackError(
-            f"KERNELPACK_MAX_EXPANDED_BYTES={value!r} is not an integer", hint="give a byte count, e.g. 68719476736"
-        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,16 +88,311 @@ def scan_tree(root: Path) -> dict[str, Path]:
     return found
 
 
-def sha256_file(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def hash_files(files: dict[str, Path]) -> list[FileEntry]:
+def hash_files(files: Mapping[str, Path]) -> list[FileEntry]:
     return [FileEntry(rel, files[rel].stat().st_size, sha256_file(files[rel])) for rel in sorted(files)]
+
+
+def artifact_name(recipe: str, tag: str) -> str:
+    return f"{recipe}-{tag}{SUFFIX}"
+
+
+def created_now() -> int:
+    """A build's time stamp; SOURCE_DATE_EPOCH (reproducible-builds convention) fixes it, so rebuilds are identical."""
+    fixed = settings.source_date_epoch()
+    return int(time.time()) if fixed is None else fixed
+
+
+# ------------------------------------------------------------------------------------------------ the manifest
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuiltConfig:
+    """A config the artifact holds, on the device indices it was built and checked on."""
+
+    config: Config
+    devices: tuple[int, ...]
+    mask_key: str  # what the builder's mask_mod computes (signature.mask_key): the runtime matches calls by it
+    compile_seconds: float = 0.0  # the slowest device's first call in the builder
+    compile_seconds_by_device: tuple[tuple[int, float], ...] = ()
+    max_rel_error: float = 0.0  # against the float64 reference
+
+    @property
+    def id(self) -> str:
+        return self.config.id
+
+    def signature(self, device_index: int) -> CallSignature:
+        return self.config.signature(device_index, self.mask_key)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FailedConfig:
+    config: Config
+    device: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Nearest:
+    """A covered signature near a call that missed, and what differs: (field, covered value, call's value)."""
+
+    signature: CallSignature
+    config_id: str
+    differences: tuple[tuple[str, Any, Any], ...]
+
+    def describe(self) -> str:
+        diffs = ", ".join(f"{name} {a!r} vs {b!r}" for name, a, b in self.differences)
+        return f"{self.signature.describe()} (differs in: {diffs})"
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """The answer to "does this artifact serve this call?": the serving entry, or the nearest covered signatures."""
+
+    signature: CallSignature
+    entry: BuiltConfig | None
+    nearest: tuple[Nearest, ...] = ()
+
+    @property
+    def covered(self) -> bool:
+        return self.entry is not None
+
+    @property
+    def device_only(self) -> bool:
+        """The config is built, but only for other device indices: the fix is pinning or --devices, not the recipe."""
+        return bool(self.nearest) and [d[0] for d in self.nearest[0].differences] == ["device_index"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Manifest:
+    name: str  # the artifact's file name
+    recipe: Mapping[str, Any] = field(hash=False)  # the normalized recipe and its sha256
+    build_key: BuildKey
+    configs: tuple[BuiltConfig, ...]
+    files: Mapping[str, FileEntry] = field(hash=False)  # path -> entry, sorted by path
+    failed: tuple[FailedConfig, ...] = ()
+    created: int = 0
+    kernelpack_version: str = __version__
+    shard: str | None = None  # "i/n" for one shard of a recipe (build --shard)
+    merged_from: tuple[str, ...] = ()
+    _index: dict[CallSignature, BuiltConfig] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        index = {c.signature(d): c for c in self.configs for d in c.devices}
+        object.__setattr__(self, "_index", index)
+
+    @property
+    def recipe_name(self) -> str:
+        return str(self.recipe["name"])
+
+    @property
+    def total_size(self) -> int:
+        return sum(e.size for e in self.files.values())
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Every device index some config is built on."""
+        return tuple(sorted({d for c in self.configs for d in c.devices}))
+
+    def pairs(self) -> list[tuple[BuiltConfig, int]]:
+        """Every (config, device index) the artifact holds: what verify runs and the runtime covers."""
+        return [(c, d) for c in self.configs for d in c.devices]
+
+    def covers(self, signature: CallSignature, *, nearest: int = 3) -> Coverage:
+        """Whether a call with this signature is served, and by which entry; on a miss, the ``nearest`` covered
+        signatures (fewest differing fields first) with their differences."""
+        entry = self._index.get(signature)
+        if entry is not None:
+            return Coverage(signature, entry)
+        ranked = sorted(self._index.items(), key=lambda kv: (len(kv[0].differences(signature)), kv[0].describe()))
+        return Coverage(
+            signature,
+            None,
+            tuple(Nearest(s, c.id, tuple(s.differences(signature))) for s, c in ranked[:nearest]),
+        )
+
+    # ------------------------------------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        devices = list(self.devices)
+        d: dict[str, Any] = {
+            "format": FORMAT_VERSION,
+            "kernelpack_version": self.kernelpack_version,
+            "name": self.name,
+            "created": self.created,
+            "recipe": dict(self.recipe),
+            "configs": [
+                {
+                    "id": c.id,
+                    "params": c.config.to_dict(),
+                    "devices": list(c.devices),
+                    "mask_key": c.mask_key,
+                    "compile_seconds": c.compile_seconds,
+                    "compile_seconds_by_device": {str(dev): s for dev, s in c.compile_seconds_by_device},
+                    "max_rel_error": c.max_rel_error,
+                }
+                for c in self.configs
+            ],
+            "failed": [
+                {"id": f.config.id, "device": f.device, "params": f.config.to_dict(), "error": f.error}
+                for f in self.failed
+            ],
+            "build_key": self.build_key.to_dict(),
+            # device_index: where the artifact was built (the first device); devices: every index of some config
+            "device_index": devices[0] if devices else 0,
+            "devices": devices,
+            "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.files.values()],
+            "total_size": self.total_size,
+        }
+        if self.shard is not None:
+            d["shard"] = self.shard
+        if self.merged_from:
+            d["merged_from"] = list(self.merged_from)
+        return d
+
+    def to_json(self) -> bytes:
+        return (json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, blob: bytes, *, source: str) -> Manifest:
+        try:
+            data = json.loads(blob)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ArtifactError(source, f"manifest.json is not valid JSON: {type(e).__name__}: {e}") from None
+        return cls.from_dict(data, source=source)
+
+    @classmethod
+    def from_dict(cls, data: object, *, source: str) -> Manifest:
+        """Validate and type a manifest; ``source`` names it in errors (:class:`ArtifactError`)."""
+        if not isinstance(data, dict):
+            raise ArtifactError(source, "manifest.json is not a JSON object")
+        fmt = data.get("format")
+        if fmt != FORMAT_VERSION:
+            raise ArtifactError(source, f"unsupported artifact format {fmt!r} (this kernelpack reads {FORMAT_VERSION})")
+        where = "manifest.json"
+        try:
+            files = _files(source, data["files"])
+            where = "recipe"
+            recipe = data["recipe"]
+            if not isinstance(recipe, dict):
+                raise TypeError("must be an object")
+            problem = check_name(recipe.get("name"))
+            if problem:
+                raise ValueError(f"name {recipe.get('name')!r} {problem}")
+            where = "build_key"
+            key_data = data["build_key"]
+            if not isinstance(key_data, dict) or not all(isinstance(v, str) for v in key_data.values()):
+                raise TypeError("must be an object of strings")
+            build_key = BuildKey.from_dict(key_data)
+            where = "configs"
+            legacy_devices = data.get("devices", [data.get("device_index", 0)])
+            configs = tuple(_built_config(c, legacy_devices) for c in _list(data["configs"]))
+            where = "failed"
+            failed = tuple(
+                FailedConfig(config=_config(f), device=_index(f.get("device", 0)), error=str(f.get("error", "")))
+                for f in _list(data.get("failed", []))
+            )
+            where = "manifest.json"
+            for name in ("name", "kernelpack_version"):
+                if not isinstance(data.get(name, ""), str):
+                    raise TypeError(f"{name} must be a string")
+            created = data.get("created", 0)
+            if not isinstance(created, int) or isinstance(created, bool):
+                raise TypeError("created must be an integer")
+            shard = data.get("shard")
+            merged_from = _list(data.get("merged_from", []))
+            return cls(
+                name=data["name"],
+                recipe=recipe,
+                build_key=build_key,
+                configs=configs,
+                files=files,
+                failed=failed,
+                created=created,
+                kernelpack_version=data.get("kernelpack_version", "?"),
+                shard=None if shard is None else str(shard),
+                merged_from=tuple(str(m) for m in merged_from),
+            )
+        except ConfigError as e:
+            raise ArtifactError(source, f"manifest.json is malformed: {where}: {e}") from None
+        except KernelpackError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ArtifactError(source, f"manifest.json is malformed: {where}: {type(e).__name__}: {e}") from None
+
+
+def _list(value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def _index(value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"bad device index {value!r}")
+    return value
+
+
+def _number(value: object) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _config(entry: object) -> Config:
+    if not isinstance(entry, dict) or not isinstance(entry.get("params"), dict):
+        raise TypeError("each config must be an object with params")
+    return Config.from_dict(entry["params"])
+
+
+def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
+    config = _config(entry)
+    assert isinstance(entry, dict)
+    by_device = entry.get("compile_seconds_by_device", {})
+    if not isinstance(by_device, dict):
+        raise TypeError("compile_seconds_by_device must be an object")
+    mask_key = entry.get("mask_key", config.mask_label)  # written since 0.1.0's typed manifest; the label before
+    if not isinstance(mask_key, str):
+        raise TypeError("mask_key must be a string")
+    return BuiltConfig(
+        config=config,
+        devices=tuple(sorted({_index(d) for d in _list(entry.get("devices", legacy_devices))})),
+        mask_key=mask_key,
+        compile_seconds=_number(entry.get("compile_seconds", 0.0)),
+        compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),
+        max_rel_error=_number(entry.get("max_rel_error", 0.0)),
+    )
+
+
+def _files(source: str, raw: object) -> dict[str, FileEntry]:
+    files: dict[str, FileEntry] = {}
+    for f in _list(raw):
+        size = f["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"bad size {size!r} for {f.get('path')!r}")
+        entry = FileEntry(str(f["path"]), size, str(f["sha256"]))
+        _check_name(source, entry.path)
+        if len(entry.sha256) != 64:
+            raise ValueError(f"bad sha256 for {entry.path!r}")
+        if entry.path in files:
+            raise ValueError(f"file listed twice: {entry.path!r}")
+        files[entry.path] = entry
+    # A path that is also another path's directory could only fail half-way through an install.
+    dirs = {rel.rsplit("/", 1)[0] for rel in files if "/" in rel}
+    parents = {"/".join(d.split("/")[: i + 1]) for d in dirs for i in range(d.count("/") + 1)}
+    clash = sorted(parents & files.keys())
+    if clash:
+        raise ArtifactError(source, "manifest.json lists a path both as a file and as a directory", member=clash[0])
+    total = sum(e.size for e in files.values())
+    if total > settings.max_expanded_bytes():
+        raise ArtifactError(
+            source,
+            f"manifest declares {total} bytes expanded, over the cap of {settings.max_expanded_bytes()} "
+            "(set KERNELPACK_MAX_EXPANDED_BYTES to raise it)",
+        )
+    return dict(sorted(files.items()))
+
+
+# ------------------------------------------------------------------------------------------------ writing
 
 
 def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
@@ -106,36 +404,26 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
 
 
 def pack(
-    out_path: Path,
-    manifest: dict[str, Any],
-    files: dict[str, Path],
-    entries: list[FileEntry],
-    *,
-    level: int = 10,
-    threads: int = -1,
-) -> None:
-    """Write the artifact atomically: temp file in the same directory, then ``os.replace``."""
+    out_path: Path, manifest: Manifest, sources: Mapping[str, Path], *, level: int = 10, threads: int = -1
+) -> Path:
+    """Write the artifact atomically: ``manifest``, then each of its files read from ``sources[path]``.
+
+    Raises :class:`KernelpackError` naming the output when it cannot be written; nothing is left behind."""
     import zstandard
 
-    by_path = {e.path: e for e in entries}
-    manifest_bytes = (json.dumps(manifest, sort_keys=True, indent=1) + "\n").encode()
     params = zstandard.ZstdCompressionParameters.from_level(
         level, threads=threads, enable_ldm=True, window_log=WINDOW_LOG, write_checksum=True
     )
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{secrets.token_hex(4)}.tmp")
-    # 0644 under the umask, like any file a user writes (mkstemp's 0600 would hide a shared artifact from the node's
-    # other users and CI uploaders), and never group/world-writable: the artifact carries executable kernels.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    manifest_bytes = manifest.to_json()
     try:
-        with os.fdopen(fd, "wb") as raw:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        with _fs.atomic_write(out_path, fsync=True) as raw:
             cctx = zstandard.ZstdCompressor(compression_params=params)
             with cctx.stream_writer(raw, closefd=False) as zw:
                 with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
                     tar.addfile(_tarinfo(MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
                     first_with: dict[str, str] = {}
-                    for rel in sorted(files):
-                        entry = by_path[rel]
+                    for rel, entry in sorted(manifest.files.items()):
                         name = TREE_PREFIX + rel
                         if entry.sha256 in first_with:
                             ti = _tarinfo(name, 0)
@@ -143,28 +431,87 @@ def pack(
                             tar.addfile(ti)
                             continue
                         first_with[entry.sha256] = name
-                        with open(files[rel], "rb") as f:
+                        with open(sources[rel], "rb") as f:
                             tar.addfile(_tarinfo(name, entry.size), f)
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    except OSError as e:
+        raise KernelpackError(
+            f"cannot write the artifact {out_path}: {type(e).__name__}: {e}",
+            hint="choose a writable output directory with -o and check its free space",
+        ) from e
+    return out_path
+
+
+def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 10) -> tuple[Path, Manifest]:
+    """Combine artifacts of one recipe built for the same build key (CI shards) into one artifact.
+
+    Refuses mixed keys or recipes, naming the field that differs. Configs and their devices are unioned; for a cache
+    path present in several inputs, the first input wins (inputs are taken in the order given)."""
+    if len(artifacts) < 2:
+        raise KernelpackError("merge needs at least two artifacts", hint="kernelpack merge A.kpack B.kpack -o DIR")
+    manifests = [read_manifest(a) for a in artifacts]
+    merged = merge_manifests(manifests, [str(a) for a in artifacts])
+    with tempfile.TemporaryDirectory(prefix="kernelpack-merge-") as tmp:
+        sources: dict[str, Path] = {}
+        for n, path in enumerate(artifacts):
+            tree = Path(tmp, str(n))
+            for rel in unpack(path, tree).files:
+                sources.setdefault(rel, tree / rel)
+        out = pack(Path(out_dir) / merged.name, merged, sources, level=level)
+    return out, merged
+
+
+def merge_manifests(manifests: Sequence[Manifest], names: Sequence[str]) -> Manifest:
+    """The manifest of the union of ``manifests`` (see :func:`merge`); ``names`` name them in errors."""
+    first = manifests[0]
+    for name, m in zip(names[1:], manifests[1:], strict=True):
+        diffs = differences(first.build_key, m.build_key, every_field=True)
+        if diffs:
+            field_name, a, b = diffs[0]
+            raise KernelpackError(
+                f"cannot merge {name}: built for another environment ({field_name}: {b!r} != {a!r} in {names[0]})",
+                hint="merge only shards built with the same torch build on the same GPU model",
+            )
+        if m.recipe.get("sha256") != first.recipe.get("sha256"):
+            raise KernelpackError(
+                f"cannot merge {name}: recipe {m.recipe_name!r} (sha256 {str(m.recipe.get('sha256'))[:12]}) differs "
+                f"from {first.recipe_name!r} in {names[0]}",
+                hint="merge only shards of the same recipe file",
+            )
+    configs: dict[str, BuiltConfig] = {}
+    files: dict[str, FileEntry] = {}
+    for m in manifests:
+        for rel, entry in m.files.items():
+            files.setdefault(rel, entry)
+        for c in m.configs:
+            seen = configs.get(c.id)
+            if seen is not None:
+                c = dataclasses.replace(
+                    seen,
+                    devices=tuple(sorted(set(seen.devices) | set(c.devices))),
+                    compile_seconds=max(seen.compile_seconds, c.compile_seconds),
+                    compile_seconds_by_device=tuple(
+                        sorted(dict(c.compile_seconds_by_device + seen.compile_seconds_by_device).items())
+                    ),
+                    max_rel_error=max(seen.max_rel_error, c.max_rel_error),
+                )
+            configs[c.id] = c
+    if not configs:
+        raise KernelpackError(
+            f"none of {', '.join(names)} holds a built config", hint="merge the shards that `kernelpack build` wrote"
+        )
+    return dataclasses.replace(
+        first,
+        name=artifact_name(first.recipe_name, first.build_key.tag),
+        created=created_now(),
+        configs=tuple(sorted(configs.values(), key=lambda c: c.id)),
+        failed=tuple(f for m in manifests for f in m.failed if f.config.id not in configs),
+        files=dict(sorted(files.items())),
+        shard=None,
+        merged_from=tuple(m.name for m in manifests),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True, slots=True)
-class Manifest:
-    data: dict[str, Any]
-    files: dict[str, FileEntry]
-
-    @property
-    def total_size(self) -> int:
-        return sum(e.size for e in self.files.values())
 
 
 class _Budget(io.RawIOBase):
@@ -223,56 +570,7 @@ def _read_manifest_member(path: str, tar: tarfile.TarFile) -> Manifest:
     blob = f.read()
     if len(blob) != first.size:
         raise ArtifactError(path, "truncated inside manifest.json")
-    return _parse_manifest(path, blob)
-
-
-def _parse_manifest(path: str, blob: bytes) -> Manifest:
-    try:
-        data = json.loads(blob)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ArtifactError(path, f"manifest.json is not valid JSON: {type(e).__name__}: {e}") from None
-    if not isinstance(data, dict):
-        raise ArtifactError(path, "manifest.json is not a JSON object")
-    fmt = data.get("format")
-    if fmt != FORMAT_VERSION:
-        raise ArtifactError(path, f"unsupported artifact format {fmt!r} (this kernelpack reads {FORMAT_VERSION})")
-    files: dict[str, FileEntry] = {}
-    try:
-        for f in data["files"]:
-            size = f["size"]
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise ValueError(f"bad size {size!r} for {f.get('path')!r}")
-            entry = FileEntry(str(f["path"]), size, str(f["sha256"]))
-            _check_name(path, entry.path)
-            if len(entry.sha256) != 64:
-                raise ValueError(f"bad sha256 for {entry.path!r}")
-            if entry.path in files:
-                raise ValueError(f"file listed twice: {entry.path!r}")
-            files[entry.path] = entry
-        if not isinstance(data["name"], str) or not isinstance(data["recipe"], dict):
-            raise TypeError("name must be a string and recipe an object")
-        if not isinstance(data["build_key"], dict) or not all(isinstance(v, str) for v in data["build_key"].values()):
-            raise TypeError("build_key must be an object of strings")
-        if not isinstance(data["configs"], list) or not all(
-            isinstance(c, dict) and isinstance(c.get("params"), dict) for c in data["configs"]
-        ):
-            raise TypeError("configs must be a list of objects with params")
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ArtifactError(path, f"manifest.json is malformed: {type(e).__name__}: {e}") from None
-    # A path that is also another path's directory could only fail half-way through an install.
-    dirs = {rel.rsplit("/", 1)[0] for rel in files if "/" in rel}
-    parents = {"/".join(d.split("/")[: i + 1]) for d in dirs for i in range(d.count("/") + 1)}
-    clash = sorted(parents & files.keys())
-    if clash:
-        raise ArtifactError(path, "manifest.json lists a path both as a file and as a directory", member=clash[0])
-    manifest = Manifest(data, files)
-    if manifest.total_size > max_expanded_bytes():
-        raise ArtifactError(
-            path,
-            f"manifest declares {manifest.total_size} bytes expanded, over the cap of {max_expanded_bytes()} "
-            "(set KERNELPACK_MAX_EXPANDED_BYTES to raise it)",
-        )
-    return manifest
+    return Manifest.from_json(blob, source=path)
 
 
 def _check_name(path: str, rel: str) -> None:
@@ -420,7 +718,3 @@ def unpack(path: str | Path, dest: Path) -> Manifest:
 
 def _no_write(dst: IO[bytes]) -> None:
     raise AssertionError("hard-link members have no bytes: copy the target's")
-
-
-def artifact_name(recipe: str, tag: str) -> str:
-    return f"{recipe}-{tag}{SUFFIX}"

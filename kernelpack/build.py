@@ -1,17 +1,14 @@
 """``kernelpack build``: compile every config of a recipe in isolated workers and pack the caches into one artifact.
 
-Each config runs in its own process (``python -m kernelpack.build --worker``) with its own fresh
-TORCHINDUCTOR_CACHE_DIR (Triton's cache under it), through exactly the canonical call workers make, forward and
-(if asked) backward, and is checked against a float64 reference computed without flex. ``jobs`` workers run at once
-on the same device (compilation is CPU-bound). The per-config caches are merged into one artifact.
+Each (config, device) runs in its own process (:mod:`kernelpack._worker`) with its own fresh TORCHINDUCTOR_CACHE_DIR
+(Triton's cache under it), through exactly the canonical call workers make, forward and (if asked) backward, and is
+checked against a float64 reference computed without flex. ``jobs`` workers run at once on the same device
+(compilation is CPU-bound). The per-config caches are merged into one artifact.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from . import _worker, evidence
 from . import artifact as art
 from .errors import BuildError, KernelpackError
+from .keys import BuildKey, probe
 from .recipe import Config, Recipe, load_recipe
-
-LOG_TAIL_LINES = 25
+from .workload import check_errors, run_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +32,10 @@ class ConfigOutcome:
     ok: bool
     device_index: int
     seconds: float  # first canonical call (compile + run), as measured in the worker
-    wall: float  # the worker process, start-up included
     errors: dict[str, float] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     build_key: dict[str, str] | None = None
+    mask_key: str = ""
     message: str = ""
     log_tail: str = ""
     cache_dir: Path | None = None
@@ -55,7 +52,7 @@ class BuildProgress:
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     artifact: Path | None
-    manifest: dict[str, Any] | None
+    manifest: art.Manifest | None
     outcomes: list[ConfigOutcome]
     seconds: float
 
@@ -64,7 +61,7 @@ class BuildResult:
         return [o for o in self.outcomes if not o.ok]
 
 
-def build(
+def build_recipe(
     recipe_path: str | Path,
     out_dir: str | Path,
     *,
@@ -84,7 +81,7 @@ def build(
     (:func:`kernelpack.runtime.pin_local_gpu`) and needs only ``devices=(0,)``.
 
     ``shard=(i, n)`` builds the i-th (1-based) of n deterministic slices of the configs (sorted by id, every n-th);
-    :func:`merge` combines the shards into one artifact.
+    :func:`kernelpack.artifact.merge` combines the shards into one artifact.
     """
     recipe = load_recipe(recipe_path)
     configs = shard_configs(recipe.configs, shard)
@@ -132,76 +129,31 @@ def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
     return "\n".join(lines)
 
 
-def worker_env(cache_dir: Path) -> dict[str, str]:
-    """A fresh, private cache for one worker. Triton's cache goes under it (inductor's default layout)."""
-    env = dict(os.environ)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    env.pop("TRITON_CACHE_DIR", None)
-    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-    env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
-    env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -> ConfigOutcome:
-    work.mkdir(parents=True, exist_ok=True)
-    cache_dir, result_file, log_file = work / "cache", work / "result.json", work / "worker.log"
-    cmd = [
-        sys.executable,
-        "-m",
+    cache_dir = work / "cache"
+    outcome = _worker.run(
         "kernelpack.build",
-        "--worker",
-        json.dumps(config.to_dict()),
-        str(device_index),
-        str(result_file),
-    ]
-    start = time.perf_counter()
-    with open(log_file, "wb") as log:
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=worker_env(cache_dir),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=timeout,
-                check=False,
-            )
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
-    wall = time.perf_counter() - start
-    try:
-        r = json.loads(result_file.read_text())
-    except (OSError, ValueError):
-        r = {}  # no result (crash, kill, timeout) or a half-written one
-    ok = bool(r.get("ok")) and rc == 0
-    messages = [r["message"]] if r.get("message") else []
-    if rc != 0:
-        why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
-        messages.append(why + (f" (signal {-rc}; out of memory?)" if rc is not None and rc < 0 else ""))
+        {"config": config.to_dict(), "device_index": device_index},
+        workdir=work,
+        env=_worker.fresh_cache_env(cache_dir),
+        timeout=timeout,
+    )
+    r = outcome.value or {}
+    problem = r.get("problem")  # the reference check failed
+    messages = [m for m in (problem, outcome.error) if m]
     return ConfigOutcome(
         config,
-        ok,
+        outcome.ok and not problem,
         device_index,
         seconds=r.get("seconds", 0.0),
-        wall=wall,
         errors=r.get("errors", {}),
         counters=r.get("counters", {}),
         build_key=r.get("build_key"),
+        mask_key=r.get("mask_key", ""),
         message="; ".join(messages),
-        log_tail="" if ok else _tail(log_file),
+        log_tail=outcome.log_tail,
         cache_dir=cache_dir,
     )
-
-
-def _tail(log_file: Path) -> str:
-    try:
-        lines = log_file.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-LOG_TAIL_LINES:])
 
 
 def _package(
@@ -211,58 +163,51 @@ def _package(
     out_dir: Path,
     level: int,
     shard: tuple[int, int] | None = None,
-) -> tuple[Path, dict[str, Any]]:
-    devices = sorted({o.device_index for o in built})
-    keys = {json.dumps(o.build_key, sort_keys=True) for o in built}
+) -> tuple[Path, art.Manifest]:
+    keys = {BuildKey.from_dict(o.build_key or {}) for o in built}
     if len(keys) != 1:
-        raise BuildError(f"workers reported different build keys: {sorted(keys)}")
-    build_key = built[0].build_key
-    assert build_key is not None
+        raise BuildError(f"workers reported different build keys: {sorted(map(str, keys))}")
+    (key,) = keys
     # Merge: for a path more than one worker wrote, the first (by config id, then device) wins: deterministic.
-    files: dict[str, Path] = {}
+    sources: dict[str, Path] = {}
     for o in built:
         assert o.cache_dir is not None
         for rel, p in art.scan_tree(o.cache_dir).items():
-            files.setdefault(rel, p)
-    entries = art.hash_files(files)
-    from .keys import BuildKey
-
-    key = BuildKey.from_dict(build_key)
-    name = art.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}")
-    manifest: dict[str, Any] = {
-        "format": art.FORMAT_VERSION,
-        "kernelpack_version": __version__,
-        "name": name,
-        "created": _created(),
-        "recipe": {**recipe.normalized, "sha256": recipe.sha256},
-        "configs": _config_entries(built),
-        "failed": [
-            {"id": o.config.id, "device": o.device_index, "params": o.config.to_dict(), "error": o.message}
-            for o in failed
-        ],
-        "build_key": build_key,
-        # device_index: where it was built (the first); devices: every index some config is covered on
-        "device_index": devices[0],
-        "devices": devices,
-        "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
-        "total_size": sum(e.size for e in entries),
-    }
-    if shard is not None:
-        manifest["shard"] = f"{shard[0]}/{shard[1]}"
-    return _write(out_dir / name, manifest, files, entries, level), manifest
+            sources.setdefault(rel, p)
+    manifest = art.Manifest(
+        name=art.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}"),
+        created=art.created_now(),
+        recipe={**recipe.normalized, "sha256": recipe.sha256},
+        configs=_built_configs(built),
+        failed=tuple(art.FailedConfig(config=o.config, device=o.device_index, error=o.message) for o in failed),
+        build_key=key,
+        files={e.path: e for e in art.hash_files(sources)},
+        shard=None if shard is None else f"{shard[0]}/{shard[1]}",
+    )
+    return art.pack(out_dir / manifest.name, manifest, sources, level=level), manifest
 
 
-def _write(
-    out: Path, manifest: dict[str, Any], files: dict[str, Path], entries: list[art.FileEntry], level: int
-) -> Path:
-    try:
-        art.pack(out, manifest, files, entries, level=level)
-    except OSError as e:
-        raise KernelpackError(
-            f"cannot write the artifact {out}: {type(e).__name__}: {e}",
-            hint="choose a writable output directory with -o and check its free space",
-        ) from e
-    return out
+def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
+    """One manifest entry per config, listing the device indices it was built and checked on."""
+    by_id: dict[str, list[ConfigOutcome]] = {}
+    for o in built:
+        by_id.setdefault(o.config.id, []).append(o)
+    entries = []
+    for outs in by_id.values():
+        mask_keys = {o.mask_key for o in outs}
+        if len(mask_keys) != 1:  # a factory that returns another mask per process would never hit
+            raise BuildError(f"config {outs[0].config.describe()}: its mask differs between workers: {mask_keys}")
+        entries.append(
+            art.BuiltConfig(
+                config=outs[0].config,
+                devices=tuple(o.device_index for o in outs),
+                mask_key=mask_keys.pop(),
+                compile_seconds=round(max(o.seconds for o in outs), 3),
+                compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
+                max_rel_error=max((e for o in outs for e in o.errors.values()), default=0.0),
+            )
+        )
+    return tuple(entries)
 
 
 def shard_configs(configs: Sequence[Config], shard: tuple[int, int] | None) -> list[Config]:
@@ -277,135 +222,27 @@ def shard_configs(configs: Sequence[Config], shard: tuple[int, int] | None) -> l
     return picked
 
 
-def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 10) -> tuple[Path, dict[str, Any]]:
-    """Combine artifacts of one recipe built for the same build key (CI shards) into one artifact.
+def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
+    """The worker: one config in this (fresh) process: canonical call, reference check, counters."""
+    config = Config.from_dict(payload["config"])
+    index = int(payload["device_index"])
+    evidence.install_hooks()
+    device = "cpu" if config.device == "cpu" else f"cuda:{index}"
+    if config.device == "cuda":
+        import torch
 
-    Refuses mixed keys or recipes, naming the field that differs. Configs and devices are unioned; for a cache path
-    present in several inputs, the first input wins (inputs are taken in the order given).
-    """
-    import tempfile
-
-    from .keys import BuildKey, differences
-
-    if len(artifacts) < 2:
-        raise KernelpackError("merge needs at least two artifacts", hint="kernelpack merge A.kpack B.kpack -o DIR")
-    manifests = [art.read_manifest(a) for a in artifacts]
-    first = manifests[0].data
-    key = BuildKey.from_dict(first["build_key"])
-    for path, m in zip(artifacts[1:], manifests[1:], strict=True):
-        diffs = differences(key, BuildKey.from_dict(m.data["build_key"]), every_field=True)
-        if diffs:
-            field, a, b = diffs[0]
-            raise KernelpackError(
-                f"cannot merge {path}: built for another environment ({field}: {b!r} != {a!r} in {artifacts[0]})",
-                hint="merge only shards built with the same torch build on the same GPU model",
-            )
-        if m.data["recipe"].get("sha256") != first["recipe"].get("sha256"):
-            raise KernelpackError(
-                f"cannot merge {path}: recipe {m.data['recipe'].get('name')!r} (sha256 "
-                f"{str(m.data['recipe'].get('sha256'))[:12]}) differs from {first['recipe'].get('name')!r}",
-                hint="merge only shards of the same recipe file",
-            )
-    with tempfile.TemporaryDirectory(prefix="kernelpack-merge-") as tmp:
-        files: dict[str, Path] = {}
-        configs: dict[str, dict[str, Any]] = {}
-        failed: list[dict[str, Any]] = []
-        for n, (path, m) in enumerate(zip(artifacts, manifests, strict=True)):
-            tree = Path(tmp, str(n))
-            art.unpack(path, tree)
-            for rel in m.files:
-                files.setdefault(rel, tree / rel)
-            for c in m.data["configs"]:
-                merged = configs.setdefault(c["id"], {**c, "devices": []})
-                merged["devices"] = sorted(set(merged["devices"]) | set(c.get("devices", [0])))
-            failed += m.data.get("failed", [])
-        entries = art.hash_files(files)
-        devices = sorted({d for c in configs.values() for d in c["devices"]})
-        built_ids = set(configs)
-        manifest = {
-            **{k: v for k, v in first.items() if k not in ("shard",)},
-            "name": art.artifact_name(first["recipe"]["name"], key.tag),
-            "created": _created(),
-            "configs": sorted(configs.values(), key=lambda c: c["id"]),
-            "failed": [f for f in failed if f["id"] not in built_ids],
-            "devices": devices,
-            "device_index": devices[0],
-            "merged_from": [m.data["name"] for m in manifests],
-            "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
-            "total_size": sum(e.size for e in entries),
-        }
-        out = _write(Path(out_dir) / manifest["name"], manifest, files, entries, level)
-    return out, manifest
-
-
-def _config_entries(built: list[ConfigOutcome]) -> list[dict[str, Any]]:
-    """One manifest entry per config, listing the device indices it was built and checked on."""
-    by_id: dict[str, list[ConfigOutcome]] = {}
-    for o in built:
-        by_id.setdefault(o.config.id, []).append(o)
-    return [
-        {
-            "id": cid,
-            "params": outs[0].config.to_dict(),
-            "devices": [o.device_index for o in outs],
-            "compile_seconds": round(max(o.seconds for o in outs), 3),
-            "compile_seconds_by_device": {str(o.device_index): round(o.seconds, 3) for o in outs},
-            "max_rel_error": max((e for o in outs for e in o.errors.values()), default=0.0),
-        }
-        for cid, outs in by_id.items()
-    ]
-
-
-def _created() -> int:
-    """Build time; SOURCE_DATE_EPOCH (reproducible-builds convention) fixes it so rebuilds are byte-identical."""
-    value = os.environ.get("SOURCE_DATE_EPOCH")
-    if value is None:
-        return int(time.time())
-    try:
-        return int(value)
-    except ValueError:
-        raise KernelpackError(
-            f"SOURCE_DATE_EPOCH={value!r} is not an integer", hint="unset it or give seconds"
-        ) from None
-
-
-def _worker_main(config_json: str, device_index: str, result_file: str) -> int:
-    """One config in this (fresh) process: canonical call, reference check, counters. Writes ``result_file``."""
-    result: dict[str, Any] = {"ok": False}
-    try:
-        from . import evidence, keys
-        from .workload import check_errors, run_config
-
-        config = Config.from_dict(json.loads(config_json))
-        evidence.install_hooks()
-        device = "cpu" if config.device == "cpu" else f"cuda:{int(device_index)}"
-        if config.device == "cuda":
-            import torch
-
-            torch.cuda.set_device(int(device_index))
-        before = evidence.snapshot()
-        call = run_config(config, device)
-        result.update(seconds=call.seconds, errors=call.errors, counters=evidence.delta(before, evidence.snapshot()))
-        result["build_key"] = keys.probe(config.device, int(device_index)).to_dict()
-        message = check_errors(config, call.errors)
-        if message is not None:
-            result["message"] = message
-        else:
-            result["ok"] = True
-    except KernelpackError as e:
-        result["message"] = str(e)
-    except Exception as e:  # the worker must report, whatever torch raised (compile error, OOM, ...)
-        import traceback
-
-        traceback.print_exc()
-        result["message"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    tmp = Path(f"{result_file}.tmp")  # the parent must never read half a result
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, result_file)
-    return 0 if result["ok"] else 1
+        torch.cuda.set_device(index)
+    before = evidence.snapshot()
+    call = run_config(config, device)
+    return {
+        "seconds": call.seconds,
+        "errors": call.errors,
+        "counters": evidence.delta(before, evidence.snapshot()),
+        "build_key": probe(config.device, index).to_dict(),
+        "mask_key": call.mask_key,
+        "problem": check_errors(config, call.errors),
+    }
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--worker":
-        sys.exit(_worker_main(*sys.argv[2:]))
-    sys.exit("usage: python -m kernelpack.build --worker CONFIG_JSON DEVICE_INDEX RESULT_FILE")
+    sys.exit(_worker.child_main(_build_one, sys.argv[1:]))

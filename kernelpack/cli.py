@@ -16,7 +16,8 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import settings
+from ._version import __version__
 from .build import BuildProgress, ConfigOutcome
 from .errors import KernelpackError
 
@@ -115,12 +116,12 @@ def _size(n: float) -> str:
 @click.version_option(__version__, prog_name="kernelpack")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks and per-config details.")
 @click.pass_context
-def cli(ctx: click.Context, verbose: bool) -> None:
+def commands(ctx: click.Context, verbose: bool) -> None:
     """Build once, ship, install and prove precompiled torch.compile(flex_attention) caches."""
-    ctx.obj = {"verbose": verbose or os.environ.get("KERNELPACK_DEBUG") == "1"}
+    ctx.obj = {"verbose": verbose or settings.debug()}
 
 
-@cli.command()
+@commands.command(name="build")
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Directory for the artifact.")
 @click.option("-j", "--jobs", default=1, show_default=True, help="Configs compiled in parallel on the device.")
@@ -134,7 +135,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
 @click.option("--shard", default=None, metavar="I/N", help="Build the I-th of N deterministic slices (CI shards).")
 @click.option("--level", default=10, show_default=True, help="zstd level.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
-def build(
+def build_cmd(
     recipe: str,
     out_dir: str,
     jobs: int,
@@ -146,9 +147,9 @@ def build(
 ) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
     _needs_torch("build")
-    from .build import build as run_build
+    from .build import build_recipe
 
-    result = run_build(
+    result = build_recipe(
         recipe,
         out_dir,
         jobs=jobs,
@@ -162,55 +163,51 @@ def build(
     assert result.artifact is not None and result.manifest is not None
     m = result.manifest
     click.echo(
-        f"wrote {result.artifact} ({_size(result.artifact.stat().st_size)}; {len(m['files'])} files, "
-        f"{_size(m['total_size'])} expanded) in {result.seconds:.1f} s"
+        f"wrote {result.artifact} ({_size(result.artifact.stat().st_size)}; {len(m.files)} files, "
+        f"{_size(m.total_size)} expanded) in {result.seconds:.1f} s"
     )
     if result.failed:
         click.echo(f"warning: {len(result.failed)} config(s) failed and are listed in the manifest", err=True)
 
 
-@cli.command()
+@commands.command(name="inspect")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def inspect(artifact: str, as_json: bool) -> None:
+def inspect_cmd(artifact: str, as_json: bool) -> None:
     """Show an artifact's manifest without extracting it (does not import torch)."""
-    from .artifact import read_manifest
+    from .artifact import FORMAT_VERSION, read_manifest
 
-    m = read_manifest(artifact).data
+    m = read_manifest(artifact)
     if as_json:
-        click.echo(json.dumps(m, indent=1, sort_keys=True))
+        click.echo(json.dumps(m.to_dict(), indent=1, sort_keys=True))
         return
-    total = sum(f["size"] for f in m["files"])
-    click.echo(f"{m['name']}  (format {m['format']}, kernelpack {m.get('kernelpack_version', '?')})")
-    click.echo(f"recipe: {m['recipe'].get('name')}  sha256 {m['recipe'].get('sha256', '?')[:16]}")
+    click.echo(f"{m.name}  (format {FORMAT_VERSION}, kernelpack {m.kernelpack_version})")
+    click.echo(f"recipe: {m.recipe_name}  sha256 {str(m.recipe.get('sha256', '?'))[:16]}")
     click.echo(
-        f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m['files'])} files, {_size(total)} expanded"
+        f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m.files)} files, {_size(m.total_size)} expanded"
     )
     click.echo("build key:")
-    for k, v in m["build_key"].items():
+    for k, v in m.build_key.to_dict().items():
         click.echo(f"  {k:14} {v}")
-    click.echo(f"devices: {m.get('devices', [m.get('device_index', 0)])}")
-    click.echo(f"configs ({len(m['configs'])}):")
-    from .recipe import Config
-
-    for c in m["configs"]:
-        on = f"  devices {c['devices']}" if "devices" in c else ""
-        click.echo(f"  {Config.from_dict(c['params']).describe()}  compile {c.get('compile_seconds', 0):.1f}s{on}")
-    for c in m.get("failed", []):
-        click.echo(f"  FAILED {c['id']} (device {c.get('device', '?')}): {c.get('error', '')}")
+    click.echo(f"devices: {list(m.devices)}")
+    click.echo(f"configs ({len(m.configs)}):")
+    for c in m.configs:
+        click.echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}")
+    for f in m.failed:
+        click.echo(f"  FAILED {f.config.id} (device {f.device}): {f.error}")
 
 
-@cli.command()
+@commands.command(name="install")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default=None, help="Target (default: TORCHINDUCTOR_CACHE_DIR or torch's default).")
 @click.option("--allow-mismatch", is_flag=True, help="Install even if built for another torch/GPU (warns).")
 @click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
-def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_index: int) -> None:
+def install_cmd(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_index: int) -> None:
     """Install ARTIFACT into a TorchInductor cache directory (verified, atomic, idempotent)."""
     _needs_torch("install")
-    from .install import install as run_install
+    from .installer import install_artifact
 
-    r = run_install(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, set_env=False)
+    r = install_artifact(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
     if r.noop:
         click.echo(f"already installed in {r.cache_dir} ({r.files} files; {r.seconds:.2f} s)")
     else:
@@ -220,18 +217,18 @@ def install(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_i
         )
 
 
-@cli.command()
+@commands.command(name="verify")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--seed", type=int, default=None, help="Seed of the shuffled config order.")
 @click.option("--check", is_flag=True, help="Also compare outputs with the float64 reference.")
 @click.pass_context
-def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool) -> None:
+def verify_cmd(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool) -> None:
     """Prove ARTIFACT: in a fresh process, install it and check every config's first call compiles nothing."""
     _needs_torch("verify")
-    from .verify import verify as run_verify
+    from .verify import verify_artifact
 
-    report = run_verify(artifact, seed=seed, check=check)
+    report = verify_artifact(artifact, seed=seed, check=check)
     data = report.data
     if as_json:
         click.echo(json.dumps(data, indent=1))
@@ -252,23 +249,23 @@ def verify(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, c
             click.echo(f"  {c['describe']}: {c['seconds']:.2f} s")
 
 
-@cli.command()
+@commands.command(name="merge")
 @click.argument("artifacts", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Directory for the merged artifact.")
-def merge(artifacts: tuple[str, ...], out_dir: str) -> None:
+def merge_cmd(artifacts: tuple[str, ...], out_dir: str) -> None:
     """Combine shards of one recipe built for the same torch build into one artifact."""
-    from .build import merge as run_merge
+    from .artifact import merge
 
-    path, m = run_merge(artifacts, out_dir)
-    click.echo(f"wrote {path} ({len(m['configs'])} configs from {len(artifacts)} artifacts)")
+    path, m = merge(artifacts, out_dir)
+    click.echo(f"wrote {path} ({len(m.configs)} configs from {len(artifacts)} artifacts)")
 
 
-@cli.command()
+@commands.command(name="push")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.argument("registry")
 @click.option("--force", is_flag=True, help="Replace a different artifact already published for this build.")
 @_storage_option
-def push(artifact: str, registry: str, force: bool, storage_options: tuple[str, ...]) -> None:
+def push_cmd(artifact: str, registry: str, force: bool, storage_options: tuple[str, ...]) -> None:
     """Publish ARTIFACT to REGISTRY (payload first, entry and index last)."""
     from .store import Registry
 
@@ -276,7 +273,7 @@ def push(artifact: str, registry: str, force: bool, storage_options: tuple[str, 
     click.echo(f"{status}: {registry.rstrip('/')}/{entry.path} (sha256 {entry.sha256[:16]}…, {_size(entry.size)})")
 
 
-@cli.command(name="ls")
+@commands.command(name="ls")
 @click.argument("registry")
 @click.option("--recipe", default=None, help="Only this recipe.")
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
@@ -302,7 +299,7 @@ def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tu
         click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
-@cli.command()
+@commands.command(name="pull")
 @click.argument("registry")
 @click.option("--recipe", required=True, help="Recipe name.")
 @click.option("--install", "do_install", is_flag=True, help="Install into the cache dir after downloading.")
@@ -310,7 +307,7 @@ def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tu
 @click.option("--lock", "lock_file", default=None, type=click.Path(dir_okay=False), help="Only the pinned artifact.")
 @click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
 @_storage_option
-def pull(
+def pull_cmd(
     registry: str,
     recipe: str,
     do_install: bool,
@@ -321,29 +318,28 @@ def pull(
 ) -> None:
     """Download the artifact of RECIPE built for this environment (once per node), optionally install it."""
     _needs_torch("pull")
-    from .store import pull as run_pull
+    from .installer import install_artifact
+    from .store import pull
 
-    r = run_pull(
+    r = pull(
         registry,
         recipe,
         lock=lock_file,
-        install=do_install,
-        cache_dir=cache_dir,
         storage_options=_storage_options(storage_options),
         device_index=device_index,
     )
     click.echo(f"{'downloaded' if r.downloaded else 'cached'}: {r.entry.path} -> {r.path}")
-    if r.installed is not None:
-        i = r.installed
+    if do_install:
+        i = install_artifact(r.path, cache_dir, device_index=device_index)
         click.echo(f"{'already installed' if i.noop else f'installed {i.written} files'} in {i.cache_dir}")
 
 
-@cli.command()
+@commands.command(name="lock")
 @click.argument("registry")
 @click.option("--recipe", required=True, help="Recipe name.")
 @click.option("-o", "--out", default="kernelpack.lock", show_default=True, help="Lock file to write.")
 @_storage_option
-def lock(registry: str, recipe: str, out: str, storage_options: tuple[str, ...]) -> None:
+def lock_cmd(registry: str, recipe: str, out: str, storage_options: tuple[str, ...]) -> None:
     """Pin every build of RECIPE in REGISTRY (artifact path and sha256 per build key)."""
     from .store import Registry, write_lock
 
@@ -364,10 +360,10 @@ def _show_warning(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (testable with click's CliRunner or directly)."""
-    verbose = os.environ.get("KERNELPACK_DEBUG") == "1" or any(a in ("-v", "--verbose") for a in (argv or sys.argv))
+    verbose = settings.debug() or any(a in ("-v", "--verbose") for a in (argv or sys.argv))
     warnings.showwarning = _show_warning
     try:
-        cli.main(args=list(argv) if argv is not None else None, prog_name="kernelpack", standalone_mode=False)
+        commands.main(args=list(argv) if argv is not None else None, prog_name="kernelpack", standalone_mode=False)
     except KernelpackError as e:
         if verbose:
             raise

@@ -21,6 +21,32 @@ class KernelpackError(Exception):
             self.hint = hint
 
 
+class KernelpackWarning(UserWarning):
+    """Something will work, but not as well as it could (e.g. an artifact installed despite a key mismatch)."""
+
+
+class SettingError(KernelpackError, ValueError):
+    """An environment variable kernelpack reads has a value it cannot use."""
+
+    def __init__(self, variable: str, value: str, expected: str, *, hint: str | None = None) -> None:
+        self.variable, self.value, self.expected = variable, value, expected
+        super().__init__(
+            f"{variable}={value!r} is not {expected}",
+            hint=hint or f"set {variable} to {expected}, or unset it to use the default",
+        )
+
+
+class LockTimeoutError(KernelpackError, TimeoutError):
+    """Another process held a file lock for longer than we were willing to wait."""
+
+    def __init__(self, lock: str, what: str, seconds: float) -> None:
+        self.lock, self.what, self.seconds = lock, what, seconds
+        super().__init__(
+            f"waited {seconds:.0f} s for the {what} lock {lock}; another process still holds it",
+            hint="find the process holding it (a stuck job on this node?), or raise KERNELPACK_LOCK_TIMEOUT (seconds)",
+        )
+
+
 class RecipeError(KernelpackError, ValueError):
     """A recipe file is malformed: names the file, the key, the bad value and what is allowed."""
 
@@ -34,13 +60,32 @@ class RecipeError(KernelpackError, ValueError):
         allowed: Sequence[object] | str | None = None,
     ) -> None:
         self.path, self.key, self.value, self.allowed = path, key, value, allowed
-        text = f"{path}: {key}: {message}"
-        if value is not None:
-            text += f" (got {value!r})"
-        if allowed is not None:
-            allowed_text = allowed if isinstance(allowed, str) else ", ".join(map(repr, allowed))
-            text += f"; allowed: {allowed_text}"
-        super().__init__(text, hint="fix the recipe; the README's 'Recipe format' section lists every key")
+        super().__init__(
+            f"{path}: {key}: {_describe_problem(message, value, allowed)}",
+            hint="fix the recipe; the README's 'Recipe format' section lists every key",
+        )
+
+
+class ConfigError(KernelpackError, ValueError):
+    """A config (a recipe point) has a field value kernelpack cannot build: names the field, value and what is allowed.
+
+    The recipe reader re-raises it as a :class:`RecipeError` naming the recipe key, the manifest reader as an
+    :class:`ArtifactError` naming the config."""
+
+    def __init__(
+        self, field: str, message: str, *, value: object = None, allowed: Sequence[object] | str | None = None
+    ) -> None:
+        self.field, self.reason, self.value, self.allowed = field, message, value, allowed
+        super().__init__(f"{field}: {_describe_problem(message, value, allowed)}")
+
+
+def _describe_problem(message: str, value: object, allowed: Sequence[object] | str | None) -> str:
+    text = message
+    if value is not None:
+        text += f" (got {value!r})"
+    if allowed is not None:
+        text += f"; allowed: {allowed if isinstance(allowed, str) else ', '.join(map(repr, allowed))}"
+    return text
 
 
 class ArtifactError(KernelpackError, ValueError):
@@ -119,6 +164,34 @@ class NotPrecompiledError(KernelpackError, RuntimeError):
                 "with --devices covering this one"
             )
         super().__init__("\n".join(lines), hint=hint)
+
+
+class RegistryError(KernelpackError, OSError):
+    """A registry could not be read or written: names the registry URL and the operation."""
+
+    def __init__(self, registry: str, message: str, *, hint: str | None = None) -> None:
+        self.registry = registry
+        super().__init__(
+            f"{registry}: {message}",
+            hint=hint or "check the registry URL, the bucket and the credentials (fsspec options/environment)",
+        )
+
+
+class NoMatchingArtifactError(KernelpackError, LookupError):
+    """No artifact in the registry was built for this environment; says why for every candidate."""
+
+    def __init__(self, registry: str, recipe: str, reasons: list[str]) -> None:
+        self.reasons = reasons
+        lines = [f"{registry}: no artifact of recipe {recipe!r} was built for this environment"]
+        lines += [f"  {r}" for r in reasons] or ["  (the registry has no artifact of this recipe)"]
+        super().__init__(
+            "\n".join(lines),
+            hint="build and push one with this exact torch build (kernelpack build + kernelpack push)",
+        )
+
+
+class LockMismatchError(KernelpackError):
+    """The registry's artifact is not the one a lock file pins."""
 
 
 class DenseFallbackError(KernelpackError, RuntimeError):

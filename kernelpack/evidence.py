@@ -20,6 +20,8 @@ import threading
 from collections import Counter
 from typing import Any
 
+from .errors import DenseFallbackError
+
 _lock = threading.Lock()
 _installed = False
 own = Counter[str]()  # OWN_COUNTERS
@@ -172,8 +174,6 @@ def _hook_dense() -> None:
             own["dense_calls"] += 1
             own["dense_bytes"] += nbytes
             if _refuse_dense:
-                from .errors import DenseFallbackError
-
                 raise DenseFallbackError(
                     f"flex_attention was about to run its dense math path (not compiled): a {tuple(query.shape)} x "
                     f"{tuple(key_.shape)} call would materialize {_human(nbytes)} of float32 scores",

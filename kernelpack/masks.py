@@ -1,9 +1,9 @@
 """Canonical mask_mods and the BlockMask helper that the builder and every worker must share.
 
 The FX-graph cache key includes the mask_mod's traced graph, so the *order of operations* matters:
-``(q >= kv) & (q - kv < w)`` and ``(q - kv < w) & (q >= kv)`` are different cache entries (see
-../shared/FINDINGS.md). These functions are frozen: changing one invalidates every published artifact.
-The function name, module and argument names do not enter the key.
+``(q >= kv) & (q - kv < w)`` and ``(q - kv < w) & (q >= kv)`` are different cache entries. These functions are
+frozen: changing one invalidates every published artifact. The function name, module and argument names do not enter
+the key. Each built-in mask_mod carries ``kernelpack_mask``, the name :func:`kernelpack.signature.mask_key` gives it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .compiled import outside_first_calls
 from .errors import KernelpackError
 
 if TYPE_CHECKING:
@@ -99,8 +100,6 @@ def block_mask(
     per-batch or per-head blocks by carrying ``per_batch = True`` / ``per_head = True`` attributes.
     """
     from torch.nn.attention.flex_attention import create_block_mask
-
-    from .runtime import outside_first_calls
 
     if getattr(mask_mod, "per_batch", False) and batch is None:
         raise KernelpackError("this mask_mod is per-batch: pass batch=", hint="block_mask(..., batch=B)")

@@ -26,6 +26,7 @@ Example (``recipes/smoke-cpu.toml``)::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -34,57 +35,93 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import RecipeError
+from .errors import ConfigError, RecipeError
+from .signature import COMPILE_MODES, DEVICES, DTYPES, CallParams, CallSignature
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-DEVICES = ("cuda", "cpu")
 BUILTIN_MASKS = ("sliding_window", "sliding_window_bidirectional")
-DTYPES = ("bfloat16", "float16", "float32")
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 _TOP_KEYS = ("name", "description", "device", "mask", "windows", "matrix", "compile", "kernel_options")
 _MATRIX_KEYS = ("batch", "q_heads", "kv_heads", "seq_len", "q_len", "kv_len", "head_dim", "dtypes", "backward")
 _COMPILE_KEYS = ("mode", "dynamic")
+# where each Config field comes from in a recipe file, for errors that name the recipe key
+_RECIPE_KEY = {
+    "device": "device",
+    "mask": "mask",
+    "window": "windows",
+    "batch": "matrix.batch",
+    "q_heads": "matrix.q_heads",
+    "kv_heads": "matrix.kv_heads",
+    "q_len": "matrix.q_len",
+    "kv_len": "matrix.kv_len",
+    "head_dim": "matrix.head_dim",
+    "dtype": "matrix.dtypes",
+    "backward": "matrix.backward",
+    "kernel_options": "kernel_options",
+    "mode": "compile.mode",
+    "dynamic": "compile.dynamic",
+}
+_POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Config:
-    """One compiled call: a point of the recipe's matrix. Everything that changes a cache key is here."""
+class Config(CallParams):
+    """One point of a recipe: the call parameters (:class:`~kernelpack.signature.CallParams`) plus the mask as the
+    recipe declares it. Validated here, in one place, whether it comes from a recipe file or a manifest."""
 
-    device: str
-    mask: str
+    mask: str  # a built-in mask name or "pkg.module:factory"
     window: int | None
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    dtype: str
-    backward: bool
-    kernel_options: tuple[tuple[str, Any], ...] = ()
-    mode: str = "default"
-    dynamic: bool = False
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
     @property
-    def enable_gqa(self) -> bool:
-        return self.q_heads != self.kv_heads
+    def mask_label(self) -> str:
+        """The declared mask with its window: for the built-in masks exactly what :func:`signature.mask_key` names
+        their mask_mod (``sliding_window(1024)``)."""
+        if self.mask in BUILTIN_MASKS:
+            return f"{self.mask}({self.window})"
+        return self.mask if self.window is None else f"{self.mask}(window={self.window})"
+
+    def signature(self, device_index: int | None, mask_key: str | None = None) -> CallSignature:
+        """The call this recipe point stands for: the same call parameters; the mask named by what its mask_mod
+        computes (``mask_key``, which the builder records in the manifest; by default :attr:`mask_label`); and the
+        device index on CUDA (None on CPU, where inductor's keys carry none)."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CallParams)}
+        return CallSignature(
+            **shared,
+            mask=mask_key if mask_key is not None else self.mask_label,
+            device_index=device_index if self.device == "cuda" else None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        d = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kernel_options"] = dict(self.kernel_options)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:
-        d = dict(d)
-        d.pop("id", None)
-        d["kernel_options"] = tuple(sorted(d.get("kernel_options", {}).items()))
-        return cls(**d)
+        """A Config from :meth:`to_dict`'s form (an ``id`` key is ignored). Raises :class:`ConfigError`."""
+        if not isinstance(d, dict):
+            raise ConfigError("params", "must be an object", value=d)
+        d = {k: v for k, v in d.items() if k != "id"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(d.keys() - names)
+        if unknown:
+            raise ConfigError(unknown[0], "unknown field", allowed=sorted(names))
+        missing = sorted(
+            f.name for f in dataclasses.fields(cls) if f.name not in d and f.default is dataclasses.MISSING
+        )
+        if missing:
+            raise ConfigError(missing[0], "missing")
+        options = d.get("kernel_options", {})
+        if not isinstance(options, dict):
+            raise ConfigError("kernel_options", "must be a table", value=options)
+        return cls(**{**d, "kernel_options": tuple(sorted(options.items()))})
 
     @property
     def id(self) -> str:
@@ -92,23 +129,58 @@ class Config:
         return hashlib.sha256(_canonical_json(self.to_dict()).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
-        window = f" window={self.window}" if self.window is not None else ""
-        lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
-        return (
-            f"{self.id} [{self.device} {self.mask}{window} B={self.batch} Hq={self.q_heads} Hkv={self.kv_heads} "
-            f"{lens} D={self.head_dim} {self.dtype}{' fwd+bwd' if self.backward else ' fwd'}]"
+        return f"{self.id} {self._describe(self.mask_label, self.device)}"
+
+
+def _validate(c: Config) -> None:
+    """Every rule a buildable config obeys. Raises :class:`ConfigError` naming the field."""
+    if c.device not in DEVICES:
+        raise ConfigError("device", "unknown value", value=c.device, allowed=DEVICES)
+    if not isinstance(c.mask, str) or not (c.mask in BUILTIN_MASKS or _is_import_path(c.mask)):
+        raise ConfigError("mask", "unknown mask", value=c.mask, allowed=(*BUILTIN_MASKS, "'pkg.module:factory'"))
+    if c.window is None:
+        if c.mask in BUILTIN_MASKS:
+            raise ConfigError("window", f"required for mask {c.mask!r}", allowed="a positive integer")
+    elif not _positive_int(c.window):
+        raise ConfigError("window", "must be a positive integer", value=c.window)
+    for name in _POSITIVE:
+        if not _positive_int(getattr(c, name)):
+            raise ConfigError(name, "must be a positive integer", value=getattr(c, name))
+    if c.q_heads % c.kv_heads:
+        raise ConfigError(
+            "kv_heads",
+            f"q_heads={c.q_heads} is not a multiple of kv_heads={c.kv_heads} (GQA needs q_heads % kv_heads == 0)",
+            value=c.kv_heads,
         )
+    if c.dtype not in DTYPES:
+        raise ConfigError("dtype", "unknown value", value=c.dtype, allowed=DTYPES)
+    for name in ("backward", "dynamic"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(name, "must be a boolean", value=getattr(c, name), allowed=(True, False))
+    if c.backward and c.device == "cpu":
+        raise ConfigError(
+            "backward",
+            "compiled flex_attention has no backward on CPU",
+            value=True,
+            allowed="false when device = 'cpu'",
+        )
+    if c.mode not in COMPILE_MODES:
+        raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
+    for k, v in c.kernel_options:
+        if not isinstance(v, (bool, int, float, str)):
+            raise ConfigError(f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
+
+
+def _positive_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recipe:
     name: str
-    description: str
     device: str
-    mask: str
     configs: tuple[Config, ...]
     normalized: dict[str, Any] = field(hash=False, compare=False)
-    path: str = ""
 
     @property
     def sha256(self) -> str:
@@ -117,6 +189,15 @@ class Recipe:
 
 def _canonical_json(obj: object) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def check_name(name: object) -> str | None:
+    """Why ``name`` cannot name a recipe (it names artifacts and registry directories), or None when it can."""
+    if not isinstance(name, str) or not name:
+        return "must be a non-empty string"
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum() or name.startswith("."):
+        return "must be letters, digits, '-', '_' or '.' and not start with '.' (it names the artifact)"
+    return None
 
 
 def load_recipe(path: str | Path) -> Recipe:
@@ -134,17 +215,18 @@ def load_recipe(path: str | Path) -> Recipe:
 
 
 def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
-    """Validate ``data`` (a parsed TOML document) and expand it. Raises :class:`RecipeError`, never anything else."""
+    """Validate ``data`` (a parsed TOML document) and expand it. Raises :class:`RecipeError`, never anything else.
+
+    This reads the file's structure (tables, keys, axes); the rules for the values are :class:`Config`'s, and its
+    errors are re-raised naming the recipe key."""
     _no_unknown(path, "", data, _TOP_KEYS)
     name = _str(path, "name", data.get("name"), required=True)
-    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise RecipeError(path, "name", "must be letters, digits, '-', '_' or '.' (it names the artifact)", value=name)
+    problem = check_name(name)
+    if problem:
+        raise RecipeError(path, "name", problem, value=name)
     description = _str(path, "description", data.get("description", ""))
-    device = _choice(path, "device", data.get("device"), DEVICES, required=True)
-
+    device = _str(path, "device", data.get("device"), required=True)
     mask = _str(path, "mask", data.get("mask"), required=True)
-    if mask not in BUILTIN_MASKS and not _is_import_path(mask):
-        raise RecipeError(path, "mask", "unknown mask", value=mask, allowed=(*BUILTIN_MASKS, "'pkg.module:factory'"))
     if "windows" in data:
         windows: list[int | None] = list(_int_axis(path, "windows", data["windows"]))
     elif mask in BUILTIN_MASKS:
@@ -170,64 +252,43 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         )
     else:
         raise RecipeError(path, "matrix.seq_len", "missing", allowed="seq_len, or both q_len and kv_len")
-    dtypes_raw = _required(path, "matrix.dtypes", matrix.get("dtypes"))
-    dtypes = _list(path, "matrix.dtypes", dtypes_raw)
-    for d in dtypes:
-        _choice(path, "matrix.dtypes", d, DTYPES)
+    dtypes = _list(path, "matrix.dtypes", _required(path, "matrix.dtypes", matrix.get("dtypes")))
     backward = matrix.get("backward", False)
-    if not isinstance(backward, bool):
-        raise RecipeError(path, "matrix.backward", "must be a boolean", value=backward, allowed=(True, False))
-    if backward and device == "cpu":
-        raise RecipeError(
-            path,
-            "matrix.backward",
-            "compiled flex_attention has no backward on CPU",
-            value=True,
-            allowed="false when device = 'cpu'",
-        )
 
     compile_opts = _table(path, "compile", data.get("compile", {}))
     _no_unknown(path, "compile.", compile_opts, _COMPILE_KEYS)
-    mode = _choice(path, "compile.mode", compile_opts.get("mode", "default"), COMPILE_MODES)
+    mode = compile_opts.get("mode", "default")
     dynamic = compile_opts.get("dynamic", False)
-    if not isinstance(dynamic, bool):
-        raise RecipeError(path, "compile.dynamic", "must be a boolean", value=dynamic, allowed=(True, False))
-
     kernel_options = _table(path, "kernel_options", data.get("kernel_options", {}))
-    for k, v in kernel_options.items():
-        if not isinstance(v, (bool, int, float, str)):
-            raise RecipeError(path, f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
 
-    for qh, kh in itertools.product(q_heads, kv_heads):
-        if qh % kh:
-            raise RecipeError(
-                path,
-                "matrix.kv_heads",
-                f"q_heads={qh} is not a multiple of kv_heads={kh} (GQA needs q_heads % kv_heads == 0)",
-                value=kh,
+    try:
+        configs = tuple(
+            Config(
+                device=device,  # type: ignore[arg-type]
+                mask=mask,
+                window=w,
+                batch=b,
+                q_heads=qh,
+                kv_heads=kh,
+                q_len=ql,
+                kv_len=kl,
+                head_dim=hd,
+                dtype=dt,
+                backward=backward,
+                kernel_options=tuple(sorted(kernel_options.items())),
+                mode=mode,
+                dynamic=dynamic,
             )
-
-    configs = tuple(
-        Config(
-            device=device,
-            mask=mask,
-            window=w,
-            batch=b,
-            q_heads=qh,
-            kv_heads=kh,
-            q_len=ql,
-            kv_len=kl,
-            head_dim=hd,
-            dtype=dt,
-            backward=backward,
-            kernel_options=tuple(sorted(kernel_options.items())),
-            mode=mode,
-            dynamic=dynamic,
+            for dt, (ql, kl), w, b, qh, kh, hd in itertools.product(
+                dtypes, lens, windows, batch, q_heads, kv_heads, head_dim
+            )
         )
-        for dt, (ql, kl), w, b, qh, kh, hd in itertools.product(
-            dtypes, lens, windows, batch, q_heads, kv_heads, head_dim
-        )
-    )
+    except ConfigError as e:
+        head, _, rest = e.field.partition(".")
+        key = _RECIPE_KEY.get(head, head) + (f".{rest}" if rest else "")
+        if head in ("q_len", "kv_len") and "seq_len" in matrix:
+            key = "matrix.seq_len"
+        raise RecipeError(path, key, e.reason, value=e.value, allowed=e.allowed) from None
     ids = [c.id for c in configs]
     if len(set(ids)) != len(ids):
         raise RecipeError(path, "matrix", "an axis lists the same value twice")
@@ -249,9 +310,7 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         "compile": {"mode": mode, "dynamic": dynamic},
         "kernel_options": dict(sorted(kernel_options.items())),
     }
-    return Recipe(
-        name=name, description=description, device=device, mask=mask, configs=configs, normalized=normalized, path=path
-    )
+    return Recipe(name=name, device=device, configs=configs, normalized=normalized)
 
 
 def _is_import_path(s: str) -> bool:
@@ -279,14 +338,6 @@ def _str(path: str, key: str, value: object, *, required: bool = False) -> str:
     if required and not value:
         raise RecipeError(path, key, "must not be empty", value=value)
     return value
-
-
-def _choice(path: str, key: str, value: object, allowed: tuple[str, ...], *, required: bool = False) -> str:
-    if value is None and required:
-        raise RecipeError(path, key, "missing", allowed=allowed)
-    if value not in allowed:
-        raise RecipeError(path, key, "unknown value", value=value, allowed=allowed)
-    return value  # type: ignore[return-value]
 
 
 def _table(path: str, key: str, value: object, *, required: bool = False) -> dict[str, Any]:

@@ -22,47 +22,34 @@ import hashlib
 import json
 import os
 import posixpath
-import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from . import _fs, _lock, settings
 from . import artifact as art
-from .errors import KernelpackError
-from .keys import BuildKey, device_slug, differences
+from .errors import KernelpackError, LockMismatchError, NoMatchingArtifactError, RegistryError
+from .keys import BuildKey, device_slug, differences, probe
 
-if TYPE_CHECKING:
-    from .install import InstallResult
+__all__ = [
+    "Entry",
+    "LockMismatchError",
+    "NoMatchingArtifactError",
+    "PullResult",
+    "Registry",
+    "RegistryError",
+    "download",
+    "pull",
+    "read_lock",
+    "select",
+    "write_lock",
+]
 
 INDEX = "index.json"
 ENTRY_SUFFIX = ".json"
 LOCK_FORMAT = 1
-
-
-class RegistryError(KernelpackError, OSError):
-    def __init__(self, registry: str, message: str, *, hint: str | None = None) -> None:
-        self.registry = registry
-        super().__init__(
-            f"{registry}: {message}",
-            hint=hint or "check the registry URL, the bucket and the credentials (fsspec options/environment)",
-        )
-
-
-class NoMatchingArtifactError(KernelpackError, LookupError):
-    def __init__(self, registry: str, recipe: str, reasons: list[str]) -> None:
-        self.reasons = reasons
-        lines = [f"{registry}: no artifact of recipe {recipe!r} was built for this environment"]
-        lines += [f"  {r}" for r in reasons] or ["  (the registry has no artifact of this recipe)"]
-        super().__init__(
-            "\n".join(lines),
-            hint="build and push one with this exact torch build (kernelpack build + kernelpack push)",
-        )
-
-
-class LockMismatchError(KernelpackError):
-    pass
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,22 +161,20 @@ class Registry:
                 "http(s) registries are read-only",
                 hint="push to the bucket or directory behind it (s3://, gs://, a path) and serve that over http",
             )
-        self._ensure_root()
         path = str(artifact)
-        manifest = art.read_manifest(path)
-        key = BuildKey.from_dict(manifest.data["build_key"])
-        recipe = str(manifest.data["recipe"].get("name", ""))
+        manifest = art.read_manifest(path)  # a bad artifact is refused before the registry is touched
+        self._ensure_root()
         name = os.path.basename(path)
         entry = Entry(
-            recipe=recipe,
+            recipe=manifest.recipe_name,
             name=name,
-            path=f"{recipe}/{key_id(key)}/{name}",
-            sha256=art.sha256_file(path),
+            path=f"{manifest.recipe_name}/{key_id(manifest.build_key)}/{name}",
+            sha256=_fs.sha256_file(path),
             size=os.path.getsize(path),
-            created=int(manifest.data.get("created", time.time())),
-            build_key=key.to_dict(),
-            configs=len(manifest.data["configs"]),
-            devices=[int(d) for d in manifest.data.get("devices", [0])],
+            created=manifest.created or int(time.time()),
+            build_key=manifest.build_key.to_dict(),
+            configs=len(manifest.configs),
+            devices=list(manifest.devices),
         )
         entry_path = self._p(entry.path + ENTRY_SUFFIX)
         status = "pushed"
@@ -256,8 +241,6 @@ def select(entries: list[Entry], here: dict[str, BuildKey], registry: str, recip
 
 
 def _here_keys(entries: list[Entry], device_index: int) -> dict[str, BuildKey]:
-    from .keys import probe
-
     keys = {}
     for device_type in sorted({e.key.device_type for e in entries}):
         if device_type == "cuda":
@@ -272,56 +255,36 @@ def _here_keys(entries: list[Entry], device_index: int) -> dict[str, BuildKey]:
 # ------------------------------------------------------------------------------------------------ download cache
 
 
-def download_dir() -> Path:
-    """Node-local download cache: $KERNELPACK_DOWNLOAD_DIR, else $XDG_CACHE_HOME/kernelpack/downloads."""
-    env = os.environ.get("KERNELPACK_DOWNLOAD_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base, "kernelpack", "downloads")
-
-
 def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
-    """The entry's payload in the download cache, downloaded once per node: (path, downloaded_now).
+    """The entry's payload in the node-local download cache (``KERNELPACK_DOWNLOAD_DIR``), downloaded once per node:
+    (path, downloaded_now).
 
     A file lock makes N workers that start together download once (the rest wait and reuse); the payload is written
     to a temp name, checked (size, sha256) and renamed, so a killed download never leaves a file that looks complete.
     """
-    from filelock import FileLock
-
-    cache = download_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = settings.download_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelpackError(
+            f"cannot create the download cache {cache}: {type(e).__name__}: {e}",
+            hint="set KERNELPACK_DOWNLOAD_DIR to a writable directory",
+        ) from None
     final = cache / f"{entry.sha256}{art.SUFFIX}"
-    with FileLock(str(cache / f"{entry.sha256}.lock"), timeout=float(os.environ.get("KERNELPACK_LOCK_TIMEOUT", 600))):
+    with _lock.file_lock(cache / f"{entry.sha256}.lock", what="download"):
         if final.is_file() and final.stat().st_size == entry.size:
             return final, False
-        _remove_dead_temps(cache, entry.sha256)
-        tmp = cache / f".{entry.sha256}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-        try:
+        _fs.reap_dead(cache, f".{final.name}.")  # temp files of downloads killed on this node
+        with _fs.atomic_path(final) as tmp:
             registry.fetch(entry, tmp)
-            got = art.sha256_file(tmp)
+            got = _fs.sha256_file(tmp)
             if got != entry.sha256:
                 raise RegistryError(
                     registry.url,
                     f"{entry.path}: sha256 {got} != published {entry.sha256}",
                     hint="the object changed or was corrupted in transit; push it again",
                 )
-            os.replace(tmp, final)
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
     return final, True
-
-
-def _remove_dead_temps(cache: Path, sha: str) -> None:
-    """Temp files of downloads killed on this node (SIGKILL skips every cleanup)."""
-    from .install import pid_alive
-
-    for tmp in cache.glob(f".{sha}.*.tmp"):
-        pid = tmp.name.split(".")[2]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
 
 # ------------------------------------------------------------------------------------------------ lock files
@@ -344,13 +307,9 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
         "artifacts": sorted(pins.values(), key=lambda p: p["key_id"]),
     }
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.{secrets.token_hex(4)}.tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, out)
+        _fs.write_bytes(out, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
         raise KernelpackError(f"cannot write the lock file {out}: {e}", hint="choose a writable path with -o") from e
     return data
 
@@ -390,7 +349,7 @@ def check_pin(lock: dict[str, Any], lock_path: str, entry: Entry) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------------ job start
+# ------------------------------------------------------------------------------------------------ pull
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,7 +357,6 @@ class PullResult:
     entry: Entry
     path: Path  # in the download cache
     downloaded: bool
-    installed: InstallResult | None
 
 
 def pull(
@@ -406,44 +364,15 @@ def pull(
     recipe: str,
     *,
     lock: str | os.PathLike[str] | None = None,
-    install: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
     storage_options: Mapping[str, Any] | None = None,
     device_index: int = 0,
 ) -> PullResult:
-    """Select the artifact built for this environment, download it once per node, verify it, optionally install."""
+    """Select the artifact built for this environment, check it against the ``lock`` pin, and download it (once per
+    node, verified). Installing it is :mod:`kernelpack.installer`'s job."""
     registry = Registry(registry_url, storage_options)
     entries = registry.entries(recipe)
     entry = select(entries, _here_keys(entries, device_index), registry.url, recipe)
     if lock is not None:
         check_pin(read_lock(lock), str(lock), entry)
     path, downloaded = download(registry, entry)
-    installed = None
-    if install:
-        from .install import install as run_install
-
-        installed = run_install(path, cache_dir, device_index=device_index)
-    return PullResult(entry, path, downloaded, installed)
-
-
-def install_from(
-    registry: str,
-    recipe: str,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    lock: str | os.PathLike[str] | None = None,
-    storage_options: Mapping[str, Any] | None = None,
-    device_index: int = 0,
-) -> InstallResult:
-    """Job start in one call: pull the artifact for this environment (once per node) and install it."""
-    result = pull(
-        registry,
-        recipe,
-        lock=lock,
-        install=True,
-        cache_dir=cache_dir,
-        storage_options=storage_options,
-        device_index=device_index,
-    )
-    assert result.installed is not None
-    return result.installed
+    return PullResult(entry, path, downloaded)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .masks import block_mask_for, mask_for
 from .runtime import flex_attention, guarded
+from .signature import mask_key
 
 if TYPE_CHECKING:
     import torch
@@ -27,6 +28,7 @@ TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 3e-2}
 class CallResult:
     seconds: float  # wall time of the first canonical call (forward, and backward when built), synchronized
     errors: dict[str, float]  # relative error per output/gradient (empty when not checked)
+    mask_key: str  # what the call's mask_mod computes (signature.mask_key): the manifest records it
 
 
 def make_inputs(config: Config, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,7 +72,7 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         got = (out, *grads)
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=False):
             errors[name] = _rel_error(g, r)
-    return CallResult(seconds=seconds, errors=errors)
+    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod))
 
 
 def check_errors(config: Config, errors: dict[str, float]) -> str | None:

@@ -60,9 +60,9 @@ def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **o
     from kernelpack import artifact as art
 
     tree = work / "tree"
-    data = art.unpack(artifact, tree).data
+    data = art.unpack(artifact, tree).to_dict()
     files = {rel: p for rel, p in art.scan_tree(tree).items() if not drop(rel)}
     entries = art.hash_files(files)
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(out, data, files, entries)
+    art.pack(out, art.Manifest.from_dict(data, source=str(out)), files)
     return out

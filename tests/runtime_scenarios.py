@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import kernelpack
-from kernelpack import runtime
+from kernelpack import compiled, runtime
 from kernelpack.artifact import read_manifest
 from kernelpack.errors import DenseFallbackError, NotPrecompiledError
 from kernelpack.masks import block_mask_for
@@ -24,7 +24,7 @@ from kernelpack.workload import make_inputs
 
 
 def configs(artifact: str) -> list[Config]:
-    return [Config.from_dict(c["params"]) for c in read_manifest(artifact).data["configs"]]
+    return [c.config for c in read_manifest(artifact).configs]
 
 
 def call(config: Config, mask: Any = None) -> Any:
@@ -182,7 +182,7 @@ def overlap(artifact: str, cache: str) -> dict[str, Any]:
     def monitor() -> None:
         barrier.wait()
         while not done.is_set():
-            samples.append(runtime._gate._readers)
+            samples.append(compiled.gate.readers)
             time.sleep(0.0001)
 
     def worker() -> None:
@@ -217,7 +217,7 @@ def thread_config(artifact: str, cache: str) -> dict[str, Any]:
     t = threading.Thread(target=worker)
     t.start()
     t.join()
-    return {**seen, "main": dconfig.recompile_limit, "floor": runtime._recompile_floor}
+    return {**seen, "main": dconfig.recompile_limit, "floor": compiled.recompile_floor()}
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from test_keys import H200
 
 from kernelpack import artifact as art
 from kernelpack.errors import ArtifactError, ArtifactNotFoundError
+
+BUILD_KEY = H200.to_dict()
 
 
 def make_tree(root: Path) -> dict[str, bytes]:
@@ -34,7 +37,7 @@ def manifest_for(entries: list[art.FileEntry], **extra: object) -> dict:
         "name": "t.kpack",
         "recipe": {"name": "t"},
         "configs": [],
-        "build_key": {},
+        "build_key": BUILD_KEY,
         "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries],
         **extra,
     }
@@ -44,7 +47,7 @@ def pack_tree(root: Path, out: Path, threads: int = -1) -> tuple[dict, list[art.
     files = art.scan_tree(root)
     entries = art.hash_files(files)
     manifest = manifest_for(entries)
-    art.pack(out, manifest, files, entries, threads=threads)
+    art.pack(out, art.Manifest.from_dict(manifest, source=str(out)), files, threads=threads)
     return manifest, entries
 
 
@@ -102,7 +105,7 @@ def test_read_manifest_without_extracting(tmp_path: Path) -> None:
     make_tree(tmp_path / "t")
     manifest, entries = pack_tree(tmp_path / "t", tmp_path / "a.kpack")
     m = art.read_manifest(tmp_path / "a.kpack")
-    assert m.data == manifest and set(m.files) == {e.path for e in entries}
+    assert m == art.Manifest.from_dict(manifest, source="x") and set(m.files) == {e.path for e in entries}
 
 
 def consume(path: Path, m: art.Manifest) -> dict[str, bytes]:
@@ -281,3 +284,118 @@ def test_unopenable_paths_are_artifact_errors(tmp_path: Path) -> None:
         art.read_manifest(tmp_path / "file" / "a.kpack")
     with pytest.raises(ArtifactError, match="directory"):
         art.read_manifest(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- the typed manifest
+
+PARAMS = {
+    "device": "cuda",
+    "mask": "sliding_window",
+    "window": 1024,
+    "batch": 1,
+    "q_heads": 32,
+    "kv_heads": 8,
+    "q_len": 4096,
+    "kv_len": 4096,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "backward": True,
+    "kernel_options": {},
+    "mode": "default",
+    "dynamic": False,
+}
+
+
+def with_configs(*configs: dict, **extra: object) -> dict:
+    return {**manifest_for([]), "configs": list(configs), **extra}
+
+
+def test_manifest_round_trips_through_json() -> None:
+    data = with_configs(
+        {"params": PARAMS, "devices": [1, 0], "mask_key": "sliding_window(1024)", "compile_seconds": 2.5},
+        {"params": {**PARAMS, "q_len": 8192, "kv_len": 8192}, "devices": [0], "mask_key": "sliding_window(1024)"},
+    )
+    m = art.Manifest.from_dict(data, source="m")
+    again = art.Manifest.from_dict(json.loads(m.to_json()), source="m")
+    assert again == m and again.to_json() == m.to_json()
+    assert m.devices == (0, 1) and [(c.config.q_len, d) for c, d in m.pairs()] == [(4096, 0), (4096, 1), (8192, 0)]
+    assert m.to_dict()["configs"][0]["id"] == m.configs[0].config.id and m.to_dict()["device_index"] == 0
+
+
+def test_manifest_of_an_older_kernelpack_reads_with_its_fallbacks() -> None:
+    """Before the typed manifest: no per-config devices (the top-level list) and no mask_key (the built-in mask's
+    label is exactly what its mask_mod computes)."""
+    m = art.Manifest.from_dict(with_configs({"params": PARAMS}, devices=[0, 2]), source="old")
+    (c,) = m.configs
+    assert c.devices == (0, 2) and c.mask_key == "sliding_window(1024)"
+    m = art.Manifest.from_dict(with_configs({"params": PARAMS}, device_index=3), source="older")
+    assert m.configs[0].devices == (3,)
+
+
+def test_covers_hit_miss_nearest_and_device_only() -> None:
+    from kernelpack.recipe import Config
+
+    m = art.Manifest.from_dict(
+        with_configs(
+            {"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"},
+            {"params": {**PARAMS, "window": 2048}, "devices": [0], "mask_key": "sliding_window(2048)"},
+        ),
+        source="m",
+    )
+    config = Config.from_dict(PARAMS)
+    hit = m.covers(config.signature(0))
+    assert hit.covered and hit.entry is m.configs[0] and hit.nearest == ()
+    on_gpu3 = m.covers(config.signature(3))
+    assert not on_gpu3.covered and on_gpu3.device_only
+    assert on_gpu3.nearest[0].differences == (("device_index", 0, 3),)
+    longer = Config.from_dict({**PARAMS, "q_len": 8192, "kv_len": 8192}).signature(0)
+    miss = m.covers(longer)
+    assert not miss.device_only and len(miss.nearest) == 2
+    assert miss.nearest[0].describe().endswith("(differs in: q_len 4096 vs 8192, kv_len 4096 vs 8192)")
+    assert "mask 'sliding_window(2048)' vs 'sliding_window(1024)'" in miss.nearest[1].describe()
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [
+        ({"params": {**PARAMS, "dtype": "float64"}}, "configs: dtype: unknown value (got 'float64')"),
+        ({"params": {**PARAMS, "q_len": "4096"}}, "configs: q_len: must be a positive integer"),
+        ({"params": {**PARAMS, "colour": 1}}, "configs: colour: unknown field"),
+        ({"params": PARAMS, "devices": [-1]}, "bad device index -1"),
+        ({"params": PARAMS, "mask_key": 7}, "mask_key must be a string"),
+    ],
+)
+def test_a_config_that_cannot_be_built_is_named(tmp_path: Path, config: dict, fragment: str) -> None:
+    raw_artifact(tmp_path / "m.kpack", with_configs(config), [])
+    with pytest.raises(ArtifactError, match=r"manifest\.json is malformed") as exc:
+        art.read_manifest(tmp_path / "m.kpack")
+    assert fragment in str(exc.value)
+
+
+@pytest.mark.parametrize("command", ["inspect", "push", "merge"])
+def test_a_bad_build_key_is_a_clear_error_in_every_command(
+    tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """At ecc4142 push and merge of such a manifest ended in a KeyError traceback."""
+    from kernelpack.cli import main
+
+    bad = tmp_path / "bad.kpack"
+    raw_artifact(bad, {**manifest_for([]), "build_key": {"torch_version": "2.13.0"}}, [])
+    args = {
+        "inspect": ["inspect", str(bad)],
+        "push": ["push", str(bad), str(tmp_path / "reg")],
+        "merge": ["merge", str(bad), str(bad), "-o", str(tmp_path / "merged")],
+    }[command]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and "build_key" in err and "torch_git" in err and "Traceback" not in err
+    assert not (tmp_path / "reg").exists() and not (tmp_path / "merged").exists()
+
+
+def test_merge_refuses_artifacts_without_a_built_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kernelpack.cli import main
+
+    make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    assert main(["merge", str(tmp_path / "a.kpack"), str(tmp_path / "a.kpack"), "-o", str(tmp_path / "m")]) == 1
+    assert "holds a built config" in capsys.readouterr().err and not (tmp_path / "m").exists()

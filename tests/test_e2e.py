@@ -16,13 +16,13 @@ from kernelpack import artifact as art
 from kernelpack.cli import main
 from kernelpack.errors import VerifyError
 from kernelpack.recipe import load_recipe
-from kernelpack.verify import verify
+from kernelpack.verify import verify_artifact as verify
 
 
 def test_build_manifest(smoke_artifact: Path) -> None:
     import torch
 
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     recipe = load_recipe(SMOKE)
     version = torch.__version__.split("+")[0]
     assert smoke_artifact.name == f"smoke-cpu-torch{version}-{torch.version.git_version[:12]}-cpu.kpack"
@@ -40,7 +40,7 @@ def test_build_manifest(smoke_artifact: Path) -> None:
 def test_inspect_json_and_text(smoke_artifact: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", str(smoke_artifact), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data == art.read_manifest(smoke_artifact).data
+    assert data == art.read_manifest(smoke_artifact).to_dict()
     assert main(["inspect", str(smoke_artifact)]) == 0
     out = capsys.readouterr().out
     assert "torch_git" in out and data["configs"][0]["id"] in out
@@ -82,7 +82,7 @@ def seeds_with_both_orders(n: int) -> tuple[int, int]:
 def test_verify_zero_misses_in_a_fresh_process_in_any_order(
     smoke_artifact: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    n = len(art.read_manifest(smoke_artifact).data["configs"])
+    n = len(art.read_manifest(smoke_artifact).to_dict()["configs"])
     first, second = seeds_with_both_orders(n)
     report = verify(smoke_artifact, seed=first, check=True)
     t = report.data["totals"]
@@ -108,7 +108,7 @@ def test_verify_fails_naming_the_config_when_its_entries_are_missing(
     with pytest.raises(VerifyError) as exc:
         verify(broken, seed=0)
     msg = str(exc.value)
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     assert all(c["id"] in msg for c in m["configs"])
     assert "FX-graph cache misses" in msg and "C++ kernels compiled" in msg
     assert main(["verify", str(broken)]) == 1
@@ -146,11 +146,11 @@ def user_recipe(tmp_path: Path, windows: str) -> Path:
 
 
 def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(user_masks: Path, tmp_path: Path) -> None:
-    from kernelpack.build import build
+    from kernelpack.build import build_recipe
 
-    result = build(user_recipe(tmp_path, "[32, 64]"), tmp_path / "out", jobs=2, keep_going=True)
+    result = build_recipe(user_recipe(tmp_path, "[32, 64]"), tmp_path / "out", jobs=2, keep_going=True)
     assert result.artifact is not None and len(result.failed) == 1
-    m = art.read_manifest(result.artifact).data
+    m = art.read_manifest(result.artifact).to_dict()
     assert [c["params"]["window"] for c in m["configs"]] == [32]
     assert [f["params"]["window"] for f in m["failed"]] == [64] and "exploded" in m["failed"][0]["error"]
     report = verify(result.artifact, check=True)
@@ -169,7 +169,7 @@ def test_build_failure_reports_config_and_writes_nothing(
 def test_package_api_is_stable_and_lazy() -> None:
     code = (
         "import sys, kernelpack; assert 'torch' not in sys.modules;"
-        "import kernelpack.install, kernelpack.verify, kernelpack.build;"
+        "import kernelpack.installer, kernelpack.verify, kernelpack.build;"
         "assert callable(kernelpack.install), kernelpack.install;"
         "assert 'torch' not in sys.modules;"
         "assert callable(kernelpack.flex_attention) and kernelpack.masks.sliding_window(8)"

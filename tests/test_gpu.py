@@ -12,9 +12,9 @@ import pytest
 from conftest import repack
 
 from kernelpack import artifact as art
-from kernelpack.build import build
+from kernelpack.build import build_recipe as build
 from kernelpack.errors import VerifyError
-from kernelpack.verify import verify
+from kernelpack.verify import verify_artifact as verify
 
 pytestmark = pytest.mark.gpu
 RECIPE = Path(__file__).parent / "data" / "gpu-small.toml"
@@ -30,7 +30,7 @@ def gpu_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_build_records_gpu_key_and_reference_errors(gpu_artifact: Path) -> None:
     import torch
 
-    m = art.read_manifest(gpu_artifact).data
+    m = art.read_manifest(gpu_artifact).to_dict()
     assert m["build_key"]["device_type"] == "cuda"
     assert m["build_key"]["gpu_name"] == torch.cuda.get_device_name(0)
     assert m["build_key"]["torch_git"] == torch.version.git_version
@@ -89,7 +89,7 @@ def test_multi_device_build_covers_every_index(tmp_path: Path) -> None:
     devices = list(range(_gpus()))
     result = build(RECIPE, tmp_path, jobs=4, devices=devices)
     assert result.artifact is not None and not result.failed
-    m = art.read_manifest(result.artifact).data
+    m = art.read_manifest(result.artifact).to_dict()
     assert m["devices"] == devices and all(c["devices"] == devices for c in m["configs"])
     assert {f["path"].split("/")[1] for f in m["files"] if f["path"].startswith("triton/")} == {str(d) for d in devices}
     report = verify(result.artifact)

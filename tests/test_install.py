@@ -12,9 +12,10 @@ import pytest
 from conftest import repack, tree_digest
 
 from kernelpack import artifact as art
+from kernelpack import install
 from kernelpack.cli import main
-from kernelpack.errors import ArtifactError, InstallError, KeyMismatchError
-from kernelpack.install import KernelpackWarning, install, marker_path
+from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
+from kernelpack.installer import marker_path
 
 
 def assert_installed(target: Path, artifact: Path) -> None:
@@ -105,7 +106,7 @@ def test_existing_entries_are_never_replaced(smoke_artifact: Path, tmp_path: Pat
 
 
 def test_key_mismatch_is_refused_with_each_field(smoke_artifact: Path, tmp_path: Path) -> None:
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     alien_key = {**m["build_key"], "torch_git": "70d99e998b4955e0049d13a98d77ae1b14db1f45", "torch_key": "00" * 32}
     alien = repack(smoke_artifact, tmp_path / "alien.kpack", tmp_path / "w", build_key=alien_key)
     target = tmp_path / "cache"
@@ -123,7 +124,7 @@ def test_key_mismatch_is_refused_with_each_field(smoke_artifact: Path, tmp_path:
 def test_cli_install_mismatch_error_and_allow(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     alien = repack(
         smoke_artifact,
         tmp_path / "alien.kpack",
@@ -147,9 +148,9 @@ def test_triton_files_follow_triton_cache_dir(
     (src / "triton" / "0" / "HASH" / "k.cubin").write_bytes(kernel)
     files = art.scan_tree(src)
     entries = art.hash_files(files)
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(tmp_path / "t.kpack", data, files, entries)
+    art.pack(tmp_path / "t.kpack", art.Manifest.from_dict(data, source="t.kpack"), files)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-elsewhere"))
     install(tmp_path / "t.kpack", tmp_path / "cache")
     assert (tmp_path / "triton-elsewhere" / "HASH" / "k.cubin").read_bytes() == kernel
@@ -160,7 +161,7 @@ def test_warns_when_torch_already_compiled_elsewhere(smoke_artifact: Path, tmp_p
     code = (
         "import os, torch, warnings; os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.environ['FIRST'];"
         "torch.compile(lambda x: x + 1, backend='eager')(torch.ones(2));"
-        "from kernelpack.install import install;"
+        "from kernelpack import install;"
         "warnings.simplefilter('error');"
         "install(os.environ['ART'], os.environ['SECOND'])"
     )
@@ -171,7 +172,7 @@ def test_warns_when_torch_already_compiled_elsewhere(smoke_artifact: Path, tmp_p
 
 def test_eight_concurrent_installers(smoke_artifact: Path, tmp_path: Path) -> None:
     target = tmp_path / "shared"
-    code = "import sys; from kernelpack.install import install; r = install(sys.argv[1], sys.argv[2]); print(r.noop)"
+    code = "import sys; from kernelpack import install; r = install(sys.argv[1], sys.argv[2]); print(r.noop)"
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(smoke_artifact), str(target)],
@@ -245,7 +246,7 @@ def test_failure_while_committing_rolls_back_what_it_placed(smoke_artifact: Path
 def test_eight_concurrent_installers_without_the_lock(smoke_artifact: Path, tmp_path: Path) -> None:
     """Correctness must not depend on the node lock (network filesystems can lie about flock)."""
     target = tmp_path / "shared"
-    code = "import sys; from kernelpack.install import install; install(sys.argv[1], sys.argv[2])"
+    code = "import sys; from kernelpack import install; install(sys.argv[1], sys.argv[2])"
     env = dict(os.environ, KERNELPACK_INSTALL_LOCK="0")
     procs = [
         subprocess.Popen(
@@ -260,8 +261,8 @@ def test_eight_concurrent_installers_without_the_lock(smoke_artifact: Path, tmp_
 
 
 def test_rank_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelpack import rank_cache_dir
     from kernelpack.errors import KernelpackError
-    from kernelpack.install import rank_cache_dir
 
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert rank_cache_dir(tmp_path) == tmp_path / "rank5"

@@ -30,7 +30,7 @@ def test_help_and_inspect_work_without_torch() -> None:
     assert r.returncode == 0 and "inspect" in r.stdout, r.stderr
     r = kernelpack_without_torch("inspect", str(FIXTURE))
     assert r.returncode == 0, r.stderr
-    m = art.read_manifest(FIXTURE).data
+    m = art.read_manifest(FIXTURE).to_dict()
     assert "recipe: tiny-cpu" in r.stdout and m["configs"][0]["id"] in r.stdout
     r = kernelpack_without_torch("inspect", "--json", str(FIXTURE))
     assert r.returncode == 0 and json.loads(r.stdout)["build_key"] == m["build_key"]
@@ -47,7 +47,7 @@ def test_the_committed_fixture_is_intact(tmp_path: Path) -> None:
     """Every member matches the manifest's sha256 (a fixture damaged in git would otherwise fail confusingly)."""
     m = art.unpack(FIXTURE, tmp_path / "tree")
     written = {p.relative_to(tmp_path / "tree").as_posix() for p in (tmp_path / "tree").rglob("*") if p.is_file()}
-    assert written == set(m.files) and m.data["recipe"]["name"] == "tiny-cpu"
+    assert written == set(m.files) and m.recipe_name == "tiny-cpu"
 
 
 def test_registry_commands_and_merge_work_without_torch(tmp_path: Path) -> None:

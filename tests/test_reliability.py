@@ -27,7 +27,7 @@ from conftest import repack, tree_digest
 
 from kernelpack import artifact as art
 from kernelpack.errors import KernelpackError
-from kernelpack.install import install
+from kernelpack.installer import install_artifact
 
 MUTATIONS = int(os.environ.get("KERNELPACK_MUTATIONS", "540"))
 KILL_TRIALS = int(os.environ.get("KERNELPACK_KILL_TRIALS", "50"))
@@ -151,7 +151,7 @@ def run_mutations(smoke_artifact: Path, tmp_path: Path, count: int, seed: int) -
         (target / "fxgraph" / "zz" / "existing-entry").write_bytes(b"an entry that was there before")
         before = tree_digest(target)
         try:
-            install(bad, target, set_env=False)
+            install_artifact(bad, target)
         except KernelpackError:
             outcomes[f"{kind}: rejected"] += 1
             if tree_digest(target) != before:
@@ -194,13 +194,13 @@ while not os.path.exists(stop):
 print(json.dumps({"checks": checks, "violations": violations}))
 """
 
-INSTALLER = "import sys; from kernelpack.install import install; install(sys.argv[1], sys.argv[2], set_env=False)"
+INSTALLER = "import sys; from kernelpack.installer import install_artifact; install_artifact(sys.argv[1], sys.argv[2])"
 
 
 def disjoint_copy(artifact: Path, out: Path, work: Path) -> Path:
     """Another artifact with the same build key and no path in common (top-level dirs renamed)."""
     tree = work / "tree"
-    data = art.unpack(artifact, tree).data
+    data = art.unpack(artifact, tree).to_dict()
     moved = work / "moved"
     for p in tree.rglob("*"):
         if p.is_file():
@@ -211,7 +211,7 @@ def disjoint_copy(artifact: Path, out: Path, work: Path) -> Path:
     files = art.scan_tree(moved)
     entries = art.hash_files(files)
     data = {**data, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(out, data, files, entries)
+    art.pack(out, art.Manifest.from_dict(data, source=str(out)), files)
     return out
 
 
@@ -257,8 +257,8 @@ def test_8_installers_of_two_artifacts_give_the_union(smoke_artifact: Path, tmp_
 
 KILLABLE = (
     "import sys; from kernelpack import keys; keys.probe('cpu');"  # the slow part (torch import) before READY
-    "print('READY', flush=True); from kernelpack.install import install; install(sys.argv[1], sys.argv[2], "
-    "set_env=False); print('DONE', flush=True)"
+    "print('READY', flush=True); from kernelpack.installer import install_artifact; "
+    "install_artifact(sys.argv[1], sys.argv[2]); print('DONE', flush=True)"
 )
 
 
@@ -282,7 +282,7 @@ def test_sigkill_at_random_points_leaves_no_partial_file(smoke_artifact: Path, t
             if f.is_file() and not rel.startswith((".kernelpack-tmp-", ".kernelpack/")):
                 assert hashlib.sha256(f.read_bytes()).hexdigest() == manifest.files[rel].sha256, rel
         # a re-run completes, and the killed installer's staging directory is gone
-        install(smoke_artifact, target, set_env=False)
+        install_artifact(smoke_artifact, target)
         assert not list(target.glob(".kernelpack-tmp-*"))
         for rel, e in manifest.files.items():
             assert hashlib.sha256((target / rel).read_bytes()).hexdigest() == e.sha256
@@ -316,11 +316,11 @@ def test_file_size_limit_is_a_clear_error_and_the_tree_is_unchanged(smoke_artifa
 def test_environment_drift_is_refused_field_by_field(smoke_artifact: Path, tmp_path: Path) -> None:
     from kernelpack.errors import KeyMismatchError
 
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     drift = {"torch_git": "0" * 40, "gpu_name": "NVIDIA H100 80GB HBM3", "triton": "3.5.0"}
     alien = repack(smoke_artifact, tmp_path / "a.kpack", tmp_path / "w", build_key={**m["build_key"], **drift})
     with pytest.raises(KeyMismatchError) as exc:
-        install(alien, tmp_path / "cache", set_env=False)
+        install_artifact(alien, tmp_path / "cache")
     assert sorted(d[0] for d in exc.value.differences) == sorted(drift)
     assert not (tmp_path / "cache").exists()
 
@@ -359,10 +359,10 @@ def test_a_killed_push_is_never_listed(smoke_artifact: Path, tmp_path: Path) -> 
     (tree / "fxgraph" / "aa" / "big").write_bytes(os.urandom(192 << 20))  # incompressible
     files = art.scan_tree(tree)
     entries = art.hash_files(files)
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
     big = tmp_path / smoke_artifact.name
-    art.pack(big, data, files, entries, level=1)
+    art.pack(big, art.Manifest.from_dict(data, source=str(big)), files, level=1)
     shutil.rmtree(tree)
     rng = random.Random(11)
     outcomes: Counter[str] = Counter()

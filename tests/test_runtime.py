@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 
 from kernelpack import runtime
+from kernelpack.artifact import BuiltConfig, Manifest
 from kernelpack.errors import KernelpackError
+from kernelpack.keys import BuildKey
+from kernelpack.recipe import Config, load_recipe
+from kernelpack.signature import CallSignature
 
 SCENARIOS = Path(__file__).with_name("runtime_scenarios.py")
 REPO = Path(__file__).parent.parent
@@ -116,21 +120,26 @@ def test_pin_local_gpu_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         runtime.pin_local_gpu(5)
 
 
-def _signature(device_index: int, **changes: object) -> runtime.CallSignature:
-    from kernelpack.masks import mask_for
-    from kernelpack.recipe import load_recipe
+DFLASH = load_recipe(REPO / "recipes" / "dflash-drafter.toml").configs[0]
 
-    config = dataclasses.replace(load_recipe(REPO / "recipes" / "dflash-drafter.toml").configs[0], **changes)
-    return runtime.CallSignature.of_config(config, device_index, mask_for(config))
+
+def _signature(device_index: int, **changes: object) -> CallSignature:
+    return dataclasses.replace(DFLASH, **changes).signature(device_index)
+
+
+def _built_on_device_0(config: Config) -> Manifest:
+    key = BuildKey(**{f.name: "x" for f in dataclasses.fields(BuildKey)})
+    built = BuiltConfig(config=config, devices=(0,), mask_key=config.mask_label)
+    return Manifest(name="a.kpack", recipe={"name": "a"}, build_key=key, configs=(built,), files={})
 
 
 def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs() -> None:
     """An artifact built on cuda:0 and a rank on cuda:3 (the unpinned torchrun case): the error must point at
     pin_local_gpu / --devices; a shape that is missing everywhere must point at the recipe instead."""
-    active = runtime.Activation(artifact="a.kpack", strict=True, covered={_signature(0): "id0"}, devices=(0,))
-    err = runtime.refusal(_signature(3), active)
+    manifest = _built_on_device_0(DFLASH)
+    err = runtime.refusal(manifest.covers(_signature(3)), "a.kpack")
     assert "cuda:3" in str(err) and "device_index 0 vs 3" in str(err)
     assert err.hint is not None and "pin_local_gpu" in err.hint and "--devices" in err.hint
-    other_shape = runtime.refusal(_signature(3, q_len=2048, kv_len=2048), active)
+    other_shape = runtime.refusal(manifest.covers(_signature(3, q_len=2048, kv_len=2048)), "a.kpack")
     assert "q_len 4096 vs 2048" in str(other_shape)
     assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint

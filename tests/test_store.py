@@ -23,6 +23,7 @@ from conftest import SMOKE, repack
 from kernelpack import artifact as art
 from kernelpack.cli import main
 from kernelpack.errors import KernelpackError
+from kernelpack.installer import install_artifact
 from kernelpack.store import (
     LockMismatchError,
     NoMatchingArtifactError,
@@ -107,7 +108,7 @@ def test_local_push_is_idempotent_and_refuses_overwrite(smoke_artifact: Path, tm
 
 def test_pull_selects_this_build_and_explains_every_rejection(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
-    m = art.read_manifest(smoke_artifact).data
+    m = art.read_manifest(smoke_artifact).to_dict()
     alien = repack(
         smoke_artifact,
         tmp_path / "alien.kpack",
@@ -119,9 +120,10 @@ def test_pull_selects_this_build_and_explains_every_rejection(smoke_artifact: Pa
         pull(str(tmp_path / "reg"), "smoke-cpu")
     assert "torch_git '70d99e998b49" in str(exc.value) and "!= here" in str(exc.value)
     reg.push(smoke_artifact)
-    r = pull(str(tmp_path / "reg"), "smoke-cpu", install=True, cache_dir=tmp_path / "cache")
+    r = pull(str(tmp_path / "reg"), "smoke-cpu")
+    installed = install_artifact(r.path, tmp_path / "cache")
     assert r.entry.sha256 == art.sha256_file(smoke_artifact) and r.downloaded
-    assert r.installed is not None and r.installed.written == r.installed.files
+    assert installed.written == installed.files
     assert not pull(str(tmp_path / "reg"), "smoke-cpu").downloaded  # node-local cache reused
 
 
@@ -156,8 +158,8 @@ def test_http_registry_is_read_only_and_pullable(
     url, _, _ = http_registry
     assert main(["ls", url]) == 0
     assert "smoke-cpu" in capsys.readouterr().out
-    r = pull(url, "smoke-cpu", install=True, cache_dir=tmp_path / "c")
-    assert r.path.read_bytes() == smoke_artifact.read_bytes() and r.installed is not None
+    r = pull(url, "smoke-cpu")
+    assert r.path.read_bytes() == smoke_artifact.read_bytes() and install_artifact(r.path, tmp_path / "c").written
     assert main(["push", str(smoke_artifact), url]) == 1
     assert "read-only" in capsys.readouterr().err
 
@@ -311,19 +313,19 @@ def test_s3_push_ls_pull_lock_and_errors(
 def test_shards_merge_into_one_artifact_that_verifies(
     tmp_path: Path, smoke_artifact: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kernelpack.verify import verify
+    from kernelpack.verify import verify_artifact as verify
 
     for i in (1, 2):
         assert main(["build", str(SMOKE), "-o", str(tmp_path / "shards"), "--shard", f"{i}/2"]) == 0
     shards = sorted((tmp_path / "shards").glob("*.kpack"))
     assert len(shards) == 2 and all(".shard-" in s.name for s in shards)
-    assert [len(art.read_manifest(s).data["configs"]) for s in shards] == [1, 1]
+    assert [len(art.read_manifest(s).to_dict()["configs"]) for s in shards] == [1, 1]
     assert main(["merge", *map(str, shards), "-o", str(tmp_path / "merged")]) == 0
     (merged,) = (tmp_path / "merged").glob("*.kpack")
-    m = art.read_manifest(merged).data
+    m = art.read_manifest(merged).to_dict()
     assert merged.name == smoke_artifact.name and "shard" not in m
     assert sorted(c["id"] for c in m["configs"]) == sorted(
-        c["id"] for c in art.read_manifest(smoke_artifact).data["configs"]
+        c["id"] for c in art.read_manifest(smoke_artifact).to_dict()["configs"]
     )
     report = verify(merged)
     assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["cpp_compiled"] == 0

@@ -1,0 +1,120 @@
+"""One protocol for the fresh processes that ``build`` and ``verify`` run their work in.
+
+Torch's compile state (Dynamo's caches, inductor's in-memory caches, counters) is process-wide, so each config is
+built, and each artifact verified, in a process of its own with its own cache dir:
+
+    parent: run("kernelpack.build", payload, ...)  ->  python -m kernelpack.build --worker PAYLOAD_JSON RESULT_FILE
+    child:  the module's ``__main__`` calls child_main(work, sys.argv[1:]); work(payload) returns a JSON-able dict
+
+The child writes ``{"value": ...}`` or ``{"error": "..."}`` atomically (a parent never reads half a result) and prints
+tracebacks to its log, which the parent keeps in the work dir and quotes (the tail) when the work failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import _fs
+from .errors import KernelpackError
+
+LOG_TAIL_LINES = 25
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    value: dict[str, Any] | None  # what the work returned; None when it raised or the process died
+    error: str | None  # why there is no value (the work's exception, a crash, a timeout); None when ok
+    returncode: int | None  # None: killed at the timeout
+    seconds: float  # the process, start-up included
+    log_tail: str  # the end of its output when it failed; "" when ok
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None and self.returncode == 0
+
+
+def fresh_cache_env(cache_dir: Path, **extra: str) -> dict[str, str]:
+    """This process's environment with a private inductor cache (Triton's under it, inductor's default layout) and
+    the FX-graph and AOTAutograd caches forced on, whatever the caller's environment says."""
+    env = dict(os.environ)
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    env["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "1"
+    env["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(module: str, payload: Mapping[str, Any], *, workdir: Path, env: Mapping[str, str], timeout: float) -> Outcome:
+    """Run ``python -m module --worker`` on ``payload`` in ``workdir`` (log and result live there)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    result_file, log_file = workdir / "result.json", workdir / "worker.log"
+    result_file.unlink(missing_ok=True)  # a result left by an earlier run must not pass for this one's
+    cmd = [sys.executable, "-m", module, "--worker", json.dumps(payload), str(result_file)]
+    start = time.perf_counter()
+    with open(log_file, "wb") as log:
+        try:
+            proc = subprocess.run(
+                cmd,
+                env=dict(env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                timeout=timeout,
+                check=False,
+            )
+            rc: int | None = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = time.perf_counter() - start
+    try:
+        data = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        data = {}  # no result: the process crashed, was killed, or timed out
+    value = data.get("value") if isinstance(data, dict) else None
+    error = data.get("error") if isinstance(data, dict) else None
+    if rc != 0:
+        why = f"timed out after {timeout:.0f} s" if rc is None else f"worker exited with status {rc}"
+        if rc is not None and rc < 0:
+            why += f" (signal {-rc}; out of memory?)"
+        error = f"{error}; {why}" if error else why
+    ok = value is not None and rc == 0
+    return Outcome(value=value, error=error, returncode=rc, seconds=seconds, log_tail="" if ok else _tail(log_file))
+
+
+def _tail(log_file: Path) -> str:
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+def child_main(work: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[str]) -> int:
+    """The child's side: ``work(payload)``, its value or error written to the result file. Exit status 0 iff a
+    value was written."""
+    if len(argv) != 3 or argv[0] != "--worker":
+        print("usage: python -m MODULE --worker PAYLOAD_JSON RESULT_FILE (started by kernelpack)", file=sys.stderr)
+        return 2
+    payload, result_file = argv[1], Path(argv[2])
+    try:
+        result: dict[str, Any] = {"value": work(json.loads(payload))}
+    except KernelpackError as e:
+        result = {"error": str(e)}
+    except Exception as e:  # the worker must report whatever torch raised (compile error, OOM, ...)
+        traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        result = {"error": f"{type(e).__name__}: {first}"}
+    _fs.write_bytes(result_file, json.dumps(result).encode())
+    return 0 if "value" in result else 1

@@ -1,0 +1,130 @@
+"""Every environment variable kernelpack reads, read at call time and validated in one place.
+
+A bad value is a :class:`SettingError` naming the variable, its value and what is expected, never a bare
+``ValueError`` from ``float()``. Nothing here is cached: a job (or a test) may change a variable between calls.
+
+| variable                         | default                                   | used by                         |
+|----------------------------------|-------------------------------------------|---------------------------------|
+| ``KERNELPACK_ARTIFACT``          | none                                      | ``runtime.activate()``          |
+| ``KERNELPACK_DEBUG``             | ``0``                                     | the CLI (tracebacks)            |
+| ``KERNELPACK_DOWNLOAD_DIR``      | ``$XDG_CACHE_HOME/kernelpack/downloads``  | registry pulls                  |
+| ``KERNELPACK_FX_WAIT_SECONDS``   | ``300``                                   | the runtime guard               |
+| ``KERNELPACK_INSTALL_LOCK``      | ``1``                                     | install (``0``: no node lock)   |
+| ``KERNELPACK_LOCK_TIMEOUT``      | ``600``                                   | every file lock                 |
+| ``KERNELPACK_MAX_EXPANDED_BYTES``| ``68719476736`` (64 GiB)                  | reading artifacts               |
+
+and the variables of others that kernelpack honours: ``LOCAL_RANK`` (torchrun), ``SOURCE_DATE_EPOCH``
+(reproducible builds), ``XDG_CACHE_HOME``, ``CUDA_VISIBLE_DEVICES``, ``TORCHINDUCTOR_CACHE_DIR`` and
+``TRITON_CACHE_DIR`` (torch's own). Only :mod:`kernelpack.runtime` *sets* variables (at job start).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import SettingError
+
+
+def _get(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None  # an empty variable means unset, as in most shells' `VAR= cmd`
+
+
+def _seconds(name: str, default: float) -> float:
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also refuses nan
+        raise SettingError(name, value, "a number of seconds (>= 0)")
+    return seconds
+
+
+def _count(name: str, expected: str, *, hint: str | None = None) -> int | None:
+    value = _get(name)
+    if value is None:
+        return None
+    if not (value.isascii() and value.isdigit()):
+        raise SettingError(name, value, expected, hint=hint)
+    return int(value)
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = _get(name)
+    if value is None:
+        return default
+    if value not in ("0", "1"):
+        raise SettingError(name, value, "0 or 1")
+    return value == "1"
+
+
+def default_artifact() -> str | None:
+    """``KERNELPACK_ARTIFACT``: the artifact ``activate()`` installs when given none."""
+    return _get("KERNELPACK_ARTIFACT")
+
+
+def debug() -> bool:
+    """``KERNELPACK_DEBUG=1``: the CLI shows tracebacks, like ``-v``."""
+    return _get("KERNELPACK_DEBUG") == "1"
+
+
+def download_dir() -> Path:
+    """Node-local download cache: ``$KERNELPACK_DOWNLOAD_DIR``, else ``$XDG_CACHE_HOME/kernelpack/downloads``."""
+    explicit = _get("KERNELPACK_DOWNLOAD_DIR")
+    if explicit is not None:
+        return Path(explicit)
+    base = _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base, "kernelpack", "downloads")
+
+
+def fx_wait_seconds() -> float:
+    """``KERNELPACK_FX_WAIT_SECONDS``: how long a guarded call waits out another thread's FX trace."""
+    return _seconds("KERNELPACK_FX_WAIT_SECONDS", 300.0)
+
+
+def install_lock() -> bool:
+    """``KERNELPACK_INSTALL_LOCK=0`` turns the node-wide install lock off (it only saves work)."""
+    return _flag("KERNELPACK_INSTALL_LOCK", True)
+
+
+def lock_timeout() -> float:
+    """``KERNELPACK_LOCK_TIMEOUT``: seconds any kernelpack file lock is waited for."""
+    return _seconds("KERNELPACK_LOCK_TIMEOUT", 600.0)
+
+
+def max_expanded_bytes() -> int:
+    """``KERNELPACK_MAX_EXPANDED_BYTES``: artifacts declaring more are refused (decompression-bomb cap)."""
+    value = _count("KERNELPACK_MAX_EXPANDED_BYTES", "a byte count, e.g. 68719476736")
+    return 64 << 30 if value is None else value
+
+
+def local_rank() -> int | None:
+    """``LOCAL_RANK`` as torchrun sets it; None when unset."""
+    return _count("LOCAL_RANK", "a rank (a non-negative integer)", hint="run under torchrun")
+
+
+def source_date_epoch() -> int | None:
+    """``SOURCE_DATE_EPOCH`` (reproducible-builds convention): fixes the build time, so rebuilds are identical."""
+    return _count("SOURCE_DATE_EPOCH", "seconds since the epoch")
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` as a list of entries (indices or UUIDs); None when unset."""
+    value = _get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]
+
+
+def inductor_cache_dir() -> Path | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` when set (absolute); None means torch's default."""
+    value = _get("TORCHINDUCTOR_CACHE_DIR")
+    return Path(value).absolute() if value is not None else None
+
+
+def triton_cache_dir() -> Path | None:
+    """``TRITON_CACHE_DIR`` when set (absolute): inductor puts Triton's files there instead of under its own dir."""
+    value = _get("TRITON_CACHE_DIR")
+    return Path(value).absolute() if value is not None else None

@@ -1,0 +1,172 @@
+"""The call signature: everything about a flex_attention call that selects a compiled graph.
+
+It is the unit of coverage (an artifact covers a set of signatures), of first-call serialization (the runtime runs
+the first call of each signature alone) and of every explanation (a miss is told by :meth:`CallSignature.differences`
+against the nearest covered signature).
+
+:class:`CallParams` holds the fields a recipe point and a call share; :class:`recipe.Config` (a recipe point) adds how
+the mask is declared, :class:`CallSignature` (a call) adds what the mask computes and the device index. Adding a field
+that selects a graph is one field here, with a default: equality, hashing, ``describe()``, ``differences()``,
+the manifest's JSON and the recipe point's id pick it up from the dataclass fields.
+
+Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+Device = Literal["cuda", "cpu"]
+Dtype = Literal["bfloat16", "float16", "float32"]
+Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+DEVICES: tuple[str, ...] = get_args(Device)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+COMPILE_MODES: tuple[str, ...] = get_args(Mode)
+
+# shown by describe() in its fixed layout; every other field is shown as name=value when it is not its default
+_LAYOUT_FIELDS = frozenset(
+    {"device", "device_index", "mask", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype"}
+    | {"backward"}
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallParams:
+    """What a recipe point and a call share. Not validated here: a call may be anything (a float64 call is simply
+    never covered); :class:`kernelpack.recipe.Config` validates what a recipe may ask for."""
+
+    device: Device
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: Dtype
+    backward: bool  # the training graph (forward + backward), not the forward-only graph
+    kernel_options: tuple[tuple[str, Any], ...] = ()
+    mode: Mode = "default"
+    dynamic: bool = False
+
+    @property
+    def enable_gqa(self) -> bool:
+        return self.q_heads != self.kv_heads
+
+    def _describe(self, mask: str, device: str) -> str:
+        lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
+        text = (
+            f"[{device} {mask} B={self.batch} Hq={self.q_heads} Hkv={self.kv_heads} {lens} D={self.head_dim} "
+            f"{self.dtype} {'fwd+bwd' if self.backward else 'fwd'}"
+        )
+        for f in dataclasses.fields(CallParams):
+            value = getattr(self, f.name)
+            if f.name not in _LAYOUT_FIELDS and value != f.default:
+                text += f" {f.name}={dict(value) if f.name == 'kernel_options' else value}"
+        return text + "]"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CallSignature(CallParams):
+    """A call: the shared parameters, the mask by what it computes (:func:`mask_key`), and the CUDA device index
+    (inductor's cache keys contain it, pytorch#170123; None on CPU)."""
+
+    mask: str
+    device_index: int | None
+
+    def describe(self) -> str:
+        device = self.device if self.device_index is None else f"{self.device}:{self.device_index}"
+        return self._describe(self.mask, device)
+
+    def differences(self, other: CallSignature) -> list[tuple[str, Any, Any]]:
+        """(field, value here, value there) for every field that differs."""
+        return [
+            (f.name, getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def signature_of(query: Any, key: Any, block_mask: Any, kernel_options: Any, mode: str, dynamic: bool) -> CallSignature:
+    """The signature of a flex_attention call on these tensors. enable_gqa is implied by the head counts (torch
+    refuses a mismatch); the graph is the training one when autograd will record the call."""
+    import torch
+
+    b, hq, q_len, d = query.shape
+    device = query.device
+    return CallSignature(
+        device=device.type,
+        device_index=device.index if device.type == "cuda" else None,
+        mask=mask_key(getattr(block_mask, "mask_mod", None)),
+        batch=b,
+        q_heads=hq,
+        kv_heads=key.shape[1],
+        q_len=q_len,
+        kv_len=key.shape[2],
+        head_dim=d,
+        dtype=str(query.dtype).removeprefix("torch."),  # type: ignore[arg-type]
+        backward=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad),
+        kernel_options=tuple(sorted((kernel_options or {}).items())),
+        mode=mode,  # type: ignore[arg-type]
+        dynamic=dynamic,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ mask fingerprints
+
+_mask_keys: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
+
+
+def mask_key(mask_mod: Callable[..., Any] | None) -> str:
+    """A name for what a mask_mod computes, equal across processes for the same code and closure values.
+
+    kernelpack's own masks carry it (``sliding_window(1024)``, see :mod:`kernelpack.masks`); any other function is
+    named by its qualname and a hash of its bytecode, constants, global names and closure values (function names and
+    files do not enter inductor's keys either). Computed once per function object, not per call."""
+    if mask_mod is None:
+        return "none"
+    tag = getattr(mask_mod, "kernelpack_mask", None)
+    if tag is not None:
+        return str(tag)
+    try:
+        return _mask_keys[mask_mod]
+    except (KeyError, TypeError):
+        pass
+    code = getattr(mask_mod, "__code__", None)
+    if code is None:
+        return f"{type(mask_mod).__qualname__}@{id(mask_mod):x}"  # not a plain function: never equal to another
+    key = f"{getattr(mask_mod, '__qualname__', 'mask_mod')}#{_function_digest(mask_mod, depth=0)[:12]}"
+    with contextlib.suppress(TypeError):
+        _mask_keys[mask_mod] = key
+    return key
+
+
+def _function_digest(fn: Any, depth: int) -> str:
+    h = hashlib.sha256(_code_digest(fn.__code__))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            value = None
+        if isinstance(value, (int, float, bool, str, type(None))):
+            h.update(repr(value).encode())
+        elif hasattr(value, "__code__") and depth < 4:  # a mask composed of masks: what they compute
+            h.update(_function_digest(value, depth + 1).encode())
+        else:
+            h.update(type(value).__name__.encode())
+    return h.hexdigest()
+
+
+def _code_digest(code: types.CodeType) -> bytes:
+    # Nested code objects are hashed, not repr()'d: their repr holds a memory address, different in every process.
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())  # `torch.minimum` and `torch.maximum` differ only here
+    for const in code.co_consts:
+        h.update(_code_digest(const) if isinstance(const, types.CodeType) else repr(const).encode())
+    return h.digest()

@@ -1,0 +1,153 @@
+"""kernelpack's own imports go down the layers only and form no cycle (README "Layout"), counting the imports inside
+functions too: a function-level import that hides a cycle is still a cycle. And only kernelpack.settings reads the
+environment."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kernelpack"
+
+# lower number = lower layer; a module may import its own layer or any lower one
+LAYERS = {
+    # ground: no torch at import time, no knowledge of the format
+    "_version": 0,
+    "errors": 0,
+    "settings": 0,
+    "keys": 0,
+    "_fs": 0,
+    "_lock": 0,
+    "_worker": 0,
+    # format: what a call, a recipe, an artifact and the evidence are
+    "signature": 1,
+    "recipe": 1,
+    "artifact": 1,
+    "evidence": 1,
+    # mechanisms: each does one thing to files, torch or a registry; none starts a job
+    "compiled": 2,
+    "masks": 2,
+    "installer": 2,
+    "store": 2,
+    # process: the one module with process side effects
+    "runtime": 3,
+    # tools
+    "workload": 4,
+    "build": 4,
+    "verify": 4,
+    "cli": 4,
+}
+
+
+def imports_of(path: Path) -> set[str]:
+    """The kernelpack modules ``path`` imports, anywhere in the file (module level, functions, TYPE_CHECKING)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module is None:  # from . import a, b
+                found.update(alias.name for alias in node.names)
+            elif node.level == 1 and node.module:  # from .a import x
+                found.add(node.module.split(".")[0])
+            elif node.level == 0 and node.module and node.module.startswith("kernelpack."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("kernelpack."))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}  # the facade resolves lazily
+    return {name: imports_of(path) & modules.keys() for name, path in sorted(modules.items())}
+
+
+def upward_edges(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return [f"{a} -> {b}" for a, deps in graph.items() for b in sorted(deps) if layers[b] > layers[a]]
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                return [*stack[stack.index(dep) :], dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_every_module_has_a_layer() -> None:
+    assert sorted(import_graph()) == sorted(LAYERS), "place a new module in LAYERS (and the README's Layout)"
+
+
+def test_imports_only_go_down() -> None:
+    assert upward_edges(import_graph(), LAYERS) == []
+
+
+def test_no_import_cycle() -> None:
+    assert find_cycle(import_graph()) is None
+
+
+def test_the_checks_can_fail() -> None:
+    """The checker itself, on the graph ecc4142 had: install -> runtime -> install (and store -> install)."""
+    old = {"install": {"runtime", "artifact"}, "runtime": {"install", "masks", "store"}, "masks": {"runtime"}}
+    old |= {"store": {"install"}, "artifact": set()}
+    assert find_cycle(old) in (["install", "runtime", "install"], ["masks", "runtime", "masks"])
+    layers = {"install": 2, "runtime": 3, "masks": 2, "store": 2, "artifact": 1}
+    assert upward_edges(old, layers) == ["install -> runtime", "masks -> runtime"]
+
+
+def test_only_settings_reads_the_environment() -> None:
+    """Every KERNELPACK_* (and other) variable is read, validated, through kernelpack.settings at call time."""
+    readers = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "settings":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Subscript)) else ""
+            is_read = isinstance(node, ast.Call) and text.startswith(("os.environ.get(", "os.getenv("))
+            is_read |= isinstance(node, ast.Subscript) and text.startswith("os.environ[") and _is_load(node)
+            if is_read:
+                readers.append(f"{path.name}:{node.lineno}: {text}")
+    assert readers == []
+
+
+def _is_load(node: ast.Subscript) -> bool:
+    return isinstance(node.ctx, ast.Load)
+
+
+@pytest.mark.parametrize("module", ["kernelpack", "kernelpack.cli", "kernelpack.artifact", "kernelpack.store"])
+def test_importing_does_not_import_torch(module: str) -> None:
+    import subprocess
+    import sys
+
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_no_public_function_shares_its_name_with_a_module() -> None:
+    """`kernelpack.install` was a module and a function at ecc4142: which one a user got depended on import order."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    clashes = [
+        f"{path.stem}.{node.name}"
+        for path in sorted(PACKAGE.glob("*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in modules
+    ]
+    assert clashes == []
+    import kernelpack
+
+    assert callable(kernelpack.install) and kernelpack.install.__module__ == "kernelpack.runtime"

@@ -1,0 +1,112 @@
+"""The call signature: one mapping from a recipe point to a call, which the runtime's view of a real call matches;
+describe/differences over every field; mask fingerprints equal across processes and different where the mask is."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernelpack.masks import block_mask_for
+from kernelpack.recipe import Config, load_recipe
+from kernelpack.signature import CallParams, CallSignature, mask_key, signature_of
+from kernelpack.workload import make_inputs
+
+ROOT = Path(__file__).resolve().parent.parent
+DFLASH = load_recipe(ROOT / "recipes" / "dflash-drafter.toml").configs[0]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_runtime_sees_a_canonical_call_as_its_recipe_point(grad: bool) -> None:
+    """Config.signature (what an artifact covers) and signature_of (what a call is) agree on the canonical call."""
+    config = dataclasses.replace(load_recipe(ROOT / "recipes" / "smoke-cpu.toml").configs[0], backward=False)
+    q, k, v = make_inputs(config, "cpu")
+    bm = block_mask_for(config, "cpu")
+    for t in (q, k, v):
+        t.requires_grad_(grad)
+    seen = signature_of(q, k, bm, None, "default", False)
+    assert seen == dataclasses.replace(config.signature(None), backward=grad)
+    with torch.no_grad():
+        assert not signature_of(q, k, bm, None, "default", False).backward
+
+
+def test_a_cuda_point_carries_its_device_index_and_a_cpu_point_none() -> None:
+    assert DFLASH.signature(5).device_index == 5 and DFLASH.signature(5).describe().startswith("[cuda:5 ")
+    cpu = dataclasses.replace(DFLASH, device="cpu", backward=False)
+    assert cpu.signature(5).device_index is None
+
+
+def test_describe_and_differences_cover_every_field() -> None:
+    sig = DFLASH.signature(0)
+    assert sig.describe() == ("[cuda:0 sliding_window(1024) B=1 Hq=32 Hkv=8 seq=4096 D=128 bfloat16 fwd+bwd]"), (
+        sig.describe()
+    )
+    other = dataclasses.replace(sig, kernel_options=(("BLOCK_M", 64),), mode="max-autotune", q_len=2048)
+    assert other.describe().endswith(
+        "q_len=2048 kv_len=4096 D=128 bfloat16 fwd+bwd kernel_options={'BLOCK_M': 64} mode=max-autotune]"
+    )
+    assert sig.differences(other) == [
+        ("q_len", 4096, 2048),
+        ("kernel_options", (), (("BLOCK_M", 64),)),
+        ("mode", "default", "max-autotune"),
+    ]
+    # every field of a call, and only those, takes part
+    names = {f.name for f in dataclasses.fields(CallSignature)}
+    assert names == {f.name for f in dataclasses.fields(CallParams)} | {"mask", "device_index"}
+    assert (
+        DFLASH.describe() == f"{DFLASH.id} [cuda sliding_window(1024) B=1 Hq=32 Hkv=8 seq=4096 D=128 bfloat16 fwd+bwd]"
+    )
+
+
+MASKS = """
+import torch
+
+def make(w):
+    def mask_mod(b, h, q, kv):
+        near = lambda d: d < w  # a nested code object: its repr() holds an address
+        return (q >= kv) & near(q - kv)
+    return mask_mod
+
+def lower(b, h, q, kv):
+    return torch.minimum(q, kv) == kv
+
+def upper(b, h, q, kv):
+    return torch.maximum(q, kv) == kv
+"""
+
+KEYS = "import json, usermasks as m; from kernelpack.signature import mask_key as k;" + (
+    "print(json.dumps([k(m.make(64)), k(m.make(128)), k(m.lower), k(m.upper)]))"
+)
+
+
+def keys_in_a_fresh_process(tmp_path: Path) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = subprocess.run([sys.executable, "-c", KEYS], env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def test_mask_fingerprints_are_stable_across_processes_and_tell_masks_apart(tmp_path: Path) -> None:
+    (tmp_path / "usermasks.py").write_text(MASKS)
+    first, second = keys_in_a_fresh_process(tmp_path), keys_in_a_fresh_process(tmp_path)
+    assert first == second  # the builder and every worker name the same mask alike
+    w64, w128, lower, upper = first
+    assert w64 != w128  # the closure's window
+    assert lower != upper  # same bytecode, other global function
+    assert w64.startswith("make.<locals>.mask_mod#")
+
+
+def test_kernelpack_masks_are_named_by_what_they_compute() -> None:
+    from kernelpack.masks import sliding_window
+
+    assert (
+        mask_key(sliding_window(64))
+        == "sliding_window(64)"
+        == Config.from_dict({**DFLASH.to_dict(), "window": 64}).mask_label
+    )
+    assert mask_key(None) == "none"
