@@ -33,20 +33,6 @@ from . import artifact as art
 from .errors import KernelpackError, LockMismatchError, NoMatchingArtifactError, RegistryError
 from .keys import BuildKey, device_slug, differences, probe
 
-__all__ = [
-    "Entry",
-    "LockMismatchError",
-    "NoMatchingArtifactError",
-    "PullResult",
-    "Registry",
-    "RegistryError",
-    "download",
-    "pull",
-    "read_lock",
-    "select",
-    "write_lock",
-]
-
 INDEX = "index.json"
 ENTRY_SUFFIX = ".json"
 LOCK_FORMAT = 1
