@@ -193,6 +193,11 @@ class Manifest:
         """Every device index some config is built on."""
         return tuple(sorted({d for c in self.configs for d in c.devices}))
 
+    @property
+    def signatures(self) -> tuple[CallSignature, ...]:
+        """Every call the artifact serves, one per (config, device index)."""
+        return tuple(self._index)
+
     def pairs(self) -> list[tuple[BuiltConfig, int]]:
         """Every (config, device index) the artifact holds: what verify runs and the runtime covers."""
         return [(c, d) for c in self.configs for d in c.devices]
@@ -703,7 +708,7 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
 
 def unpack(path: str | Path, dest: Path) -> Manifest:
     """Every file of the artifact's cache tree into ``dest``, verified (no staging: for scratch directories only;
-    installing into a live cache is :func:`kernelpack.install.install`'s job)."""
+    installing into a live cache is :func:`kernelpack.installer.install_artifact`'s job)."""
     manifest = read_manifest(path)
     for member in iter_members(path, manifest):
         out = dest / member.path

@@ -166,8 +166,7 @@ class Activation:
     @property
     def covered(self) -> tuple[CallSignature, ...]:
         """Every (config, device) signature the artifact serves."""
-        m = self.manifest
-        return tuple(c.signature(d) for c, d in m.pairs()) if m is not None else ()
+        return self.manifest.signatures if self.manifest is not None else ()
 
     @property
     def devices(self) -> tuple[int, ...]:

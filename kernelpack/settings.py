@@ -38,8 +38,8 @@ def _seconds(name: str, default: float) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:  # also refuses nan
+        seconds = float("nan")
+    if not seconds >= 0:  # refuses non-numbers (nan), nan itself and negatives
         raise SettingError(name, value, "a number of seconds (>= 0)")
     return seconds
 

@@ -32,8 +32,19 @@ COMPILE_MODES: tuple[str, ...] = get_args(Mode)
 
 # shown by describe() in its fixed layout; every other field is shown as name=value when it is not its default
 _LAYOUT_FIELDS = frozenset(
-    {"device", "device_index", "mask", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype"}
-    | {"backward"}
+    (
+        "device",
+        "device_index",
+        "mask",
+        "batch",
+        "q_heads",
+        "kv_heads",
+        "q_len",
+        "kv_len",
+        "head_dim",
+        "dtype",
+        "backward",
+    )
 )
 
 
