@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
-#   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|all]
+#   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
+#                       ckpt-collect|all]
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
 set -uo pipefail
@@ -60,6 +61,20 @@ if [[ $what == spread || $what == multi ]]; then
   python3 -m kernelpack.cli verify --json /tmp/kp-spread/*.kpack > "$OUT/spread-verify.json"; echo "verify exit $?" | tee -a "$OUT/spread-build.log"
   python3 bench/threads_first_step.py --artifact /tmp/kp-spread/*.kpack --threads "$NGPU" --spread \
     --timeout ${THREADS_TIMEOUT:-240} --modes ${SPREAD_MODES:-raw,kernelpack} --out "$OUT/threads_spread.json" 2>&1 | tee "$OUT/threads_spread.log"
+fi
+# Issue 12: threads x gradient checkpointing after activate(), fresh processes bounded by 120 s each; detached.
+if [[ $what == ckpt-bg ]]; then
+  rm -rf /tmp/ckpt-out; mkdir -p /tmp/ckpt-out
+  setsid nohup python3 bench/checkpoint_threads.py --artifact $ART_DIR/*.kpack --threads 3 --timeout 120 \
+    --modes ${CKPT_MODES:-reentrant,nonreentrant,none,none-nowarm,both} --runs ${CKPT_RUNS:-10} \
+    --runs-for "${CKPT_RUNS_FOR:-none=3,none-nowarm=3,both=3}" --out /tmp/ckpt-out/checkpoint_threads.json \
+    > /tmp/ckpt-out/checkpoint_threads.log 2>&1 < /dev/null &
+  echo "checkpoint benchmark started in the background"
+fi
+if [[ $what == ckpt-collect ]]; then
+  if [[ ! -d /tmp/ckpt-out ]]; then echo "no background checkpoint benchmark on this machine (it went cold)"; exit 3; fi
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/ckpt-out/checkpoint_threads.json ]] && break; sleep 5; done
+  cp /tmp/ckpt-out/* "$OUT/" 2>/dev/null; cat "$OUT/checkpoint_threads.log"
 fi
 if [[ $what == keep ]]; then cp $ART_DIR/*.kpack "$OUT/"; fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.

@@ -69,8 +69,8 @@ def child(mode: str, artifact: str, n_threads: int, spread: bool, result: str, s
 
     from kernelpack import compiled, evidence, runtime
     from kernelpack.artifact import read_manifest
+    from kernelpack.canonical import make_inputs
     from kernelpack.masks import block_mask_for
-    from kernelpack.workload import make_inputs
 
     configs = [c.config for c in read_manifest(artifact).configs]
     cuda = configs[0].device == "cuda"

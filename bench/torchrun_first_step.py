@@ -42,8 +42,8 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
 
     from kernelpack import evidence
     from kernelpack.artifact import read_manifest
+    from kernelpack.canonical import make_inputs
     from kernelpack.masks import block_mask_for
-    from kernelpack.workload import make_inputs
 
     device = "cuda:0" if mode == "pinned" else f"cuda:{local_rank}"
     torch.cuda.set_device(device)

@@ -120,8 +120,9 @@ class BuiltConfig:
     def id(self) -> str:
         return self.config.id
 
-    def signature(self, device_index: int) -> CallSignature:
-        return self.config.signature(device_index, self.mask_key)
+    def signatures(self, device_index: int) -> tuple[CallSignature, ...]:
+        """The calls this entry serves on one device: one per graph built."""
+        return self.config.signatures(device_index, self.mask_key)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,9 +158,17 @@ class Coverage:
         return self.entry is not None
 
     @property
+    def only(self) -> tuple[str, Any, Any] | None:
+        """(field, covered value, call's value) when the nearest covered signature differs in that one field: the
+        fix is often not the shape (device index: pinning or --devices; graph: the recipe's graphs)."""
+        if self.nearest and len(self.nearest[0].differences) == 1:
+            return self.nearest[0].differences[0]
+        return None
+
+    @property
     def device_only(self) -> bool:
         """The config is built, but only for other device indices: the fix is pinning or --devices, not the recipe."""
-        return bool(self.nearest) and [d[0] for d in self.nearest[0].differences] == ["device_index"]
+        return self.only is not None and self.only[0] == "device_index"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -177,7 +186,7 @@ class Manifest:
     _index: dict[CallSignature, BuiltConfig] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        index = {c.signature(d): c for c in self.configs for d in c.devices}
+        index = {s: c for c in self.configs for d in c.devices for s in c.signatures(d)}
         object.__setattr__(self, "_index", index)
 
     @property
@@ -195,7 +204,7 @@ class Manifest:
 
     @property
     def signatures(self) -> tuple[CallSignature, ...]:
-        """Every call the artifact serves, one per (config, device index)."""
+        """Every call the artifact serves, one per (config, device index, graph)."""
         return tuple(self._index)
 
     def pairs(self) -> list[tuple[BuiltConfig, int]]:

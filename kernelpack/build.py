@@ -1,9 +1,9 @@
 """``kernelpack build``: compile every config of a recipe in isolated workers and pack the caches into one artifact.
 
 Each (config, device) runs in its own process (:mod:`kernelpack._worker`) with its own fresh TORCHINDUCTOR_CACHE_DIR
-(Triton's cache under it), through exactly the canonical call workers make, forward and (if asked) backward, and is
-checked against a float64 reference computed without flex. ``jobs`` workers run at once on the same device
-(compilation is CPU-bound). The per-config caches are merged into one artifact.
+(Triton's cache under it), through exactly the canonical calls workers make (:mod:`kernelpack.canonical`), one per
+graph, and is checked against a float64 reference computed without flex. ``jobs`` workers run at once on the same
+device (compilation is CPU-bound). The per-config caches are merged into one artifact.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The compiled flex_attention callables, Dynamo's recompile floor, and the first-call gate.
+"""The compiled flex_attention callables, what Dynamo already compiled for them, Dynamo's recompile floor, and the
+first-call gate.
 
 The lowest runtime mechanism, with no knowledge of artifacts: :mod:`kernelpack.runtime` builds the guard on it, and
 :mod:`kernelpack.masks` waits at the gate.
@@ -9,18 +10,22 @@ The lowest runtime mechanism, with no knowledge of artifacts: :mod:`kernelpack.r
 - Dynamo's default recompile limit (8) is far below a recipe's shape count with ``dynamic=False``, and hitting it
   makes Dynamo run flex_attention eagerly, i.e. the dense math path: :func:`ensure_recompile_limit` raises it, in
   every thread that calls kernelpack (Dynamo config assignments are per-thread since torch 2.12).
+- :func:`dynamo_hit` asks Dynamo's own guards, before a call, whether Dynamo would serve it from a graph it already
+  has or trace it again: only the second runs make_fx (and, for a training graph, ``torch.autograd.grad``).
 - The gate: many steady-state calls at once, or one first call alone. Alone matters: while one thread compiles,
   AOTAutograd's make_fx sets torch.fx's *process-global* tracing flag, and a compiled call entered by another thread
   at that moment raises "Detected that you are using FX to symbolically trace a dynamo-optimized function" or, with
-  ``error_on_nested_fx_trace=False``, silently runs uncompiled (dense).
+  ``error_on_nested_fx_trace=False``, silently runs uncompiled (dense). Every wait at the gate is bounded: a thread
+  inside a backward pass (:func:`in_backward`) may be the autograd engine thread the first call is waiting for.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import settings
@@ -48,11 +53,97 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
             fn = _compiled.get(key)
             if fn is None:
                 import torch
-                from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
-                fn = torch.compile(eager_flex, dynamic=dynamic, mode=None if mode == "default" else mode)
+                fn = torch.compile(_eager_flex(), dynamic=dynamic, mode=None if mode == "default" else mode)
                 _compiled[key] = fn
     return fn
+
+
+def _eager_flex() -> Callable[..., Any]:
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    return eager_flex  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------------------------------------ Dynamo's entries
+
+_defaults: dict[str, Any] | None = None
+
+
+def frame_locals(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The locals of flex_attention's frame for a call with these (named) arguments: what Dynamo's guards read."""
+    global _defaults
+    if _defaults is None:
+        params = inspect.signature(_eager_flex()).parameters.values()
+        _defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return {**_defaults, **arguments}
+
+
+def dynamo_entries(mode: str = "default", dynamic: bool = False) -> list[Any] | None:
+    """Dynamo's cache entries for flex_attention compiled with these options (most recent first), or None where this
+    torch does not expose them (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``, torch >= 2.4).
+
+    Dynamo keeps one list per code object, so the entries of the user's own ``torch.compile(flex_attention)`` are
+    here too; an entry serves a call only if its backend equals the caller's (an inductor wrapper with the same mode
+    and options), as in Dynamo's own lookup."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - torch < 2.4
+        return None
+    entries = list(_debug_get_cache_entry_list(_eager_flex().__code__))
+    backend = _backend(mode, dynamic)
+    if backend is None:
+        return entries
+    return [e for e in entries if type(e.backend) is not type(backend) or e.backend == backend]
+
+
+_backends: dict[tuple[str, bool], Any] = {}
+
+
+def _backend(mode: str, dynamic: bool) -> Any:
+    """The backend torch.compile gives these options (compared by value, as Dynamo does); None if unknown."""
+    key = (mode, dynamic)
+    if key not in _backends:
+        try:
+            from torch import _TorchCompileInductorWrapper
+
+            _backends[key] = _TorchCompileInductorWrapper(None if mode == "default" else mode, None, dynamic)
+        except Exception:
+            _backends[key] = None
+    return _backends[key]
+
+
+def dynamo_hit(arguments: Mapping[str, Any], mode: str = "default", dynamic: bool = False) -> bool | None:
+    """Whether a call with these arguments would be served by a graph Dynamo already has (True) or be traced (False),
+    by running Dynamo's own guards on the frame the call would make. None where torch cannot tell (old torch).
+
+    Guards read the calling thread's grad mode and autocast state, so ask in the thread that will make the call.
+    Costs ~20 us for a few dozen entries (CPU, torch 2.13): each failing entry stops at its first failing guard."""
+    entries = dynamo_entries(mode, dynamic)
+    if entries is None:
+        return None
+    f_locals = frame_locals(arguments)
+    return any(e.guard_manager.check(f_locals) for e in entries)
+
+
+def guard_failure(guard_manager: Any, arguments: Mapping[str, Any]) -> str:
+    """The first guard of an entry that a call fails, in Dynamo's words (e.g. ``tensor 'L['query']' stride mismatch
+    at index 1``); empty when it passes or torch cannot say."""
+    try:
+        verbose = guard_manager.check_verbose(frame_locals(arguments))
+    except Exception:
+        return ""
+    if verbose.result:
+        return ""
+    return "; ".join(str(p).split("  #")[0].strip() for p in verbose.verbose_code_parts)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward pass (an autograd engine thread, or a backward on the CPU): the
+    thread that a first call's make_fx + ``torch.autograd.grad`` may be waiting for."""
+    import torch
+
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 # ------------------------------------------------------------------------------------------------ recompile floor
@@ -97,7 +188,9 @@ def apply_thread_config() -> None:
 
 
 class Gate:
-    """Many steady-state calls at once, or one first call alone (a writer-preferring readers-writer lock)."""
+    """Many steady-state calls at once, or one first call alone (a writer-preferring readers-writer lock).
+
+    Waits take a ``timeout`` (seconds, None: forever) and raise :class:`TimeoutError` when it passes."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -105,11 +198,14 @@ class Gate:
         self._writer = False
         self._writers_waiting = 0
 
+    def _wait(self, blocked: Callable[[], bool], timeout: float | None, what: str) -> None:
+        if not self._cond.wait_for(lambda: not blocked(), timeout):
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+
     @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self, timeout: float | None = None) -> Iterator[None]:
         with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
+            self._wait(lambda: self._writer or bool(self._writers_waiting), timeout, "another thread's first call")
             self.readers += 1
         try:
             yield
@@ -120,12 +216,14 @@ class Gate:
                     self._cond.notify_all()
 
     @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
+    def exclusive(self, timeout: float | None = None) -> Iterator[None]:
         with self._cond:
             self._writers_waiting += 1
-            while self._writer or self.readers:
-                self._cond.wait()
-            self._writers_waiting -= 1
+            try:
+                self._wait(lambda: self._writer or bool(self.readers), timeout, "the calls in flight to finish")
+            finally:
+                self._writers_waiting -= 1
+                self._cond.notify_all()  # readers held back by this writer may go on if it gave up
             self._writer = True
         try:
             yield
@@ -143,14 +241,16 @@ def outside_first_calls() -> contextlib.AbstractContextManager[None]:
     return gate.shared()
 
 
-def wait_for_foreign_fx_trace() -> None:
+def wait_for_foreign_fx_trace(limit: float | None = None) -> None:
     """torch.fx's tracing flag is process-global: if another thread is FX-tracing right now, a compiled call would
-    raise or (error_on_nested_fx_trace=False) run uncompiled. Wait for it, bounded by KERNELPACK_FX_WAIT_SECONDS."""
+    raise or (error_on_nested_fx_trace=False) run uncompiled. Wait for it, bounded by ``limit`` (default
+    KERNELPACK_FX_WAIT_SECONDS)."""
     from torch.fx import _symbolic_trace
 
     if not _symbolic_trace._is_fx_tracing_flag:
         return
-    limit = settings.fx_wait_seconds()
+    if limit is None:
+        limit = settings.fx_wait_seconds()
     deadline = time.monotonic() + limit
     while _symbolic_trace._is_fx_tracing_flag:
         if time.monotonic() > deadline:

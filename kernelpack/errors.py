@@ -150,20 +150,51 @@ class InstallError(KernelpackError, OSError):
 class NotPrecompiledError(KernelpackError, RuntimeError):
     """Strict mode: this call's config/device is not covered by the active artifact, so it would cold-compile."""
 
-    def __init__(self, call: str, nearest: Sequence[str], *, artifact: str | None, device_only: bool = False) -> None:
+    def __init__(
+        self,
+        call: str,
+        nearest: Sequence[str],
+        *,
+        artifact: str | None,
+        only: tuple[str, object, object] | None = None,
+    ) -> None:
+        """``only``: (field, covered value, call's value) when the nearest covered signature differs in one field."""
         self.call, self.nearest, self.artifact = call, list(nearest), artifact
         lines = [f"flex_attention call not precompiled by {artifact or 'any active artifact'}: {call}"]
         if nearest:
             lines.append("nearest covered configs:")
             lines += [f"  {n}" for n in nearest]
-        hint = "add this shape to the recipe and rebuild; or activate(strict=False) to compile it here (slow, logged)"
-        if device_only:
+        hint = (
+            "add this shape to the recipe and rebuild; or activate(strict=False, warmup=False) to compile it here "
+            "(slow, logged; only where no other thread runs backward meanwhile)"
+        )
+        field, _covered, value = only if only is not None else (None, None, None)
+        if field == "device_index":
             hint = (
                 "this config is built, but for other device indices (inductor's cache keys contain cuda:N): pin each "
                 "worker's GPU as cuda:0 with kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build "
                 "with --devices covering this one"
             )
+        elif field == "graph" and value == "fwd":
+            hint = (
+                "this config is built for the training graph only, and this is a forward-only call (no_grad, or "
+                "inputs that do not require grad: reentrant gradient checkpointing runs its forward so): add the "
+                'forward graph to the recipe, graphs = ["fwd", "fwd+bwd"], or use checkpoint(..., use_reentrant=False)'
+            )
+        elif field == "graph":
+            hint = 'this config is built forward-only: add the training graph, graphs = ["fwd", "fwd+bwd"]'
         super().__init__("\n".join(lines), hint=hint)
+
+
+class NotWarmedError(KernelpackError, RuntimeError):
+    """After ``activate()`` warmed the artifact, a call that Dynamo would trace: refused, in strict and non-strict
+    mode. A trace during training runs make_fx (and ``torch.autograd.grad`` for a training graph) with torch.fx's
+    process-global tracing flag set: it deadlocks against the autograd engine when another thread is in a backward
+    that calls flex (gradient checkpointing), and it breaks other threads' compiled calls."""
+
+    def __init__(self, call: str, reason: str, *, hint: str) -> None:
+        self.call, self.reason = call, reason
+        super().__init__(f"flex_attention call would be compiled during training: {call}\n{reason}", hint=hint)
 
 
 class RegistryError(KernelpackError, OSError):

@@ -15,7 +15,7 @@ Example (``recipes/smoke-cpu.toml``)::
     seq_len = [256]                   # or q_len = [...] and kv_len = [...]
     head_dim = 64
     dtypes = ["float32"]
-    backward = false
+    graphs = ["fwd"]                  # and/or "fwd+bwd" (CUDA only); `backward = true` means ["fwd+bwd"]
 
     [compile]
     dynamic = false                   # one static graph per shape (see README)
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, RecipeError
-from .signature import COMPILE_MODES, DEVICES, DTYPES, CallParams, CallSignature
+from .signature import COMPILE_MODES, DEVICES, DTYPES, GRAPHS, CallParams, CallSignature, Graph
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +46,18 @@ else:  # pragma: no cover - exercised on 3.10 only
 BUILTIN_MASKS = ("sliding_window", "sliding_window_bidirectional")
 
 _TOP_KEYS = ("name", "description", "device", "mask", "windows", "matrix", "compile", "kernel_options")
-_MATRIX_KEYS = ("batch", "q_heads", "kv_heads", "seq_len", "q_len", "kv_len", "head_dim", "dtypes", "backward")
+_MATRIX_KEYS = (
+    "batch",
+    "q_heads",
+    "kv_heads",
+    "seq_len",
+    "q_len",
+    "kv_len",
+    "head_dim",
+    "dtypes",
+    "graphs",
+    "backward",
+)
 _COMPILE_KEYS = ("mode", "dynamic")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
@@ -60,7 +71,7 @@ _RECIPE_KEY = {
     "kv_len": "matrix.kv_len",
     "head_dim": "matrix.head_dim",
     "dtype": "matrix.dtypes",
-    "backward": "matrix.backward",
+    "graphs": "matrix.graphs",
     "kernel_options": "kernel_options",
     "mode": "compile.mode",
     "dynamic": "compile.dynamic",
@@ -75,9 +86,17 @@ class Config(CallParams):
 
     mask: str  # a built-in mask name or "pkg.module:factory"
     window: int | None
+    # The graphs built for this point, in GRAPHS order. Reentrant gradient checkpointing needs both: its forward runs
+    # under no_grad (the "fwd" graph) and its recompute in backward with grad (the "fwd+bwd" graph).
+    graphs: tuple[Graph, ...] = ("fwd",)
 
     def __post_init__(self) -> None:
         _validate(self)
+
+    @property
+    def backward(self) -> bool:
+        """Whether the training graph is built (the inputs of the canonical call then require grad)."""
+        return "fwd+bwd" in self.graphs
 
     @property
     def mask_label(self) -> str:
@@ -87,20 +106,26 @@ class Config(CallParams):
             return f"{self.mask}({self.window})"
         return self.mask if self.window is None else f"{self.mask}(window={self.window})"
 
-    def signature(self, device_index: int | None, mask_key: str | None = None) -> CallSignature:
-        """The call this recipe point stands for: the same call parameters; the mask named by what its mask_mod
-        computes (``mask_key``, which the builder records in the manifest; by default :attr:`mask_label`); and the
-        device index on CUDA (None on CPU, where inductor's keys carry none)."""
+    def signature(self, device_index: int | None, graph: Graph, mask_key: str | None = None) -> CallSignature:
+        """A call this recipe point stands for: the same call parameters and ``graph``; the mask named by what its
+        mask_mod computes (``mask_key``, which the builder records in the manifest; by default :attr:`mask_label`);
+        and the device index on CUDA (None on CPU, where inductor's keys carry none)."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CallParams)}
         return CallSignature(
             **shared,
             mask=mask_key if mask_key is not None else self.mask_label,
             device_index=device_index if self.device == "cuda" else None,
+            graph=graph,
         )
+
+    def signatures(self, device_index: int | None, mask_key: str | None = None) -> tuple[CallSignature, ...]:
+        """Every call this recipe point stands for on one device: one per graph."""
+        return tuple(self.signature(device_index, g, mask_key) for g in self.graphs)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kernel_options"] = dict(self.kernel_options)
+        d["graphs"] = list(self.graphs)
         return d
 
     @classmethod
@@ -109,6 +134,9 @@ class Config(CallParams):
         if not isinstance(d, dict):
             raise ConfigError("params", "must be an object", value=d)
         d = {k: v for k, v in d.items() if k != "id"}
+        if "backward" in d and "graphs" not in d:  # manifests before `graphs` (kernelpack 0.1.x)
+            backward = d.pop("backward")
+            d["graphs"] = ["fwd+bwd"] if backward is True else ["fwd"] if backward is False else backward
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(d.keys() - names)
         if unknown:
@@ -121,7 +149,10 @@ class Config(CallParams):
         options = d.get("kernel_options", {})
         if not isinstance(options, dict):
             raise ConfigError("kernel_options", "must be a table", value=options)
-        return cls(**{**d, "kernel_options": tuple(sorted(options.items()))})
+        graphs = d.get("graphs", ["fwd"])
+        if not isinstance(graphs, (list, tuple)):
+            raise ConfigError("graphs", "must be a list", value=graphs, allowed=GRAPHS)
+        return cls(**{**d, "kernel_options": tuple(sorted(options.items())), "graphs": tuple(graphs)})
 
     @property
     def id(self) -> str:
@@ -129,7 +160,7 @@ class Config(CallParams):
         return hashlib.sha256(_canonical_json(self.to_dict()).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
-        return f"{self.id} {self._describe(self.mask_label, self.device)}"
+        return f"{self.id} {self._describe(self.mask_label, self.device, ' & '.join(self.graphs))}"
 
 
 def _validate(c: Config) -> None:
@@ -154,15 +185,21 @@ def _validate(c: Config) -> None:
         )
     if c.dtype not in DTYPES:
         raise ConfigError("dtype", "unknown value", value=c.dtype, allowed=DTYPES)
-    for name in ("backward", "dynamic"):
-        if not isinstance(getattr(c, name), bool):
-            raise ConfigError(name, "must be a boolean", value=getattr(c, name), allowed=(True, False))
+    if not isinstance(c.dynamic, bool):
+        raise ConfigError("dynamic", "must be a boolean", value=c.dynamic, allowed=(True, False))
+    if not isinstance(c.graphs, tuple) or not c.graphs:
+        raise ConfigError("graphs", "must be a non-empty list", value=c.graphs, allowed=GRAPHS)
+    for g in c.graphs:
+        if g not in GRAPHS:
+            raise ConfigError("graphs", "unknown graph", value=g, allowed=GRAPHS)
+    if list(c.graphs) != sorted(set(c.graphs), key=GRAPHS.index):
+        raise ConfigError("graphs", "must list each graph once, in the order " + ", ".join(GRAPHS), value=c.graphs)
     if c.backward and c.device == "cpu":
         raise ConfigError(
-            "backward",
+            "graphs",
             "compiled flex_attention has no backward on CPU",
-            value=True,
-            allowed="false when device = 'cpu'",
+            value="fwd+bwd",
+            allowed="['fwd'] when device = 'cpu'",
         )
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
@@ -253,7 +290,7 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
     else:
         raise RecipeError(path, "matrix.seq_len", "missing", allowed="seq_len, or both q_len and kv_len")
     dtypes = _list(path, "matrix.dtypes", _required(path, "matrix.dtypes", matrix.get("dtypes")))
-    backward = matrix.get("backward", False)
+    graphs = _graphs(path, matrix)
 
     compile_opts = _table(path, "compile", data.get("compile", {}))
     _no_unknown(path, "compile.", compile_opts, _COMPILE_KEYS)
@@ -274,7 +311,7 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
                 kv_len=kl,
                 head_dim=hd,
                 dtype=dt,
-                backward=backward,
+                graphs=graphs,
                 kernel_options=tuple(sorted(kernel_options.items())),
                 mode=mode,
                 dynamic=dynamic,
@@ -288,6 +325,8 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         key = _RECIPE_KEY.get(head, head) + (f".{rest}" if rest else "")
         if head in ("q_len", "kv_len") and "seq_len" in matrix:
             key = "matrix.seq_len"
+        if head == "graphs" and "backward" in matrix:
+            key = "matrix.backward"
         raise RecipeError(path, key, e.reason, value=e.value, allowed=e.allowed) from None
     ids = [c.id for c in configs]
     if len(set(ids)) != len(ids):
@@ -305,12 +344,31 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
             "lens": [list(x) for x in lens],
             "head_dim": head_dim,
             "dtypes": dtypes,
-            "backward": backward,
+            "graphs": list(graphs),
         },
         "compile": {"mode": mode, "dynamic": dynamic},
         "kernel_options": dict(sorted(kernel_options.items())),
     }
     return Recipe(name=name, device=device, configs=configs, normalized=normalized)
+
+
+def _graphs(path: str, matrix: dict[str, Any]) -> tuple[Graph, ...]:
+    """``graphs = ["fwd", "fwd+bwd"]``, or the older ``backward = true|false`` (["fwd+bwd"] / ["fwd"]); listed in
+    any order, normalized to GRAPHS order."""
+    if "graphs" in matrix and "backward" in matrix:
+        raise RecipeError(path, "matrix.backward", "give either graphs or backward, not both", allowed="graphs")
+    if "backward" in matrix:
+        backward = matrix["backward"]
+        if not isinstance(backward, bool):
+            raise RecipeError(path, "matrix.backward", "must be a boolean", value=backward, allowed=(True, False))
+        return ("fwd+bwd",) if backward else ("fwd",)
+    items = _list(path, "matrix.graphs", matrix.get("graphs", ["fwd"]))
+    for g in items:
+        if g not in GRAPHS:
+            raise RecipeError(path, "matrix.graphs", "unknown graph", value=g, allowed=GRAPHS)
+    if len(set(items)) != len(items):
+        raise RecipeError(path, "matrix.graphs", "lists a graph twice", value=items)
+    return tuple(sorted(items, key=GRAPHS.index))  # type: ignore[arg-type]
 
 
 def _is_import_path(s: str) -> bool:

@@ -5,12 +5,19 @@ Job start (every door goes through :func:`_start`):
 - :func:`install` / :func:`install_from`: install an artifact (a path, or a registry's artifact for this environment,
   downloaded once per node) and point this process at it: ``TORCHINDUCTOR_CACHE_DIR`` and Dynamo's recompile floor
   (:func:`_configure_process`, the only place that does). ``kernelpack.install`` and ``kernelpack.install_from``.
-- :func:`activate`: the same, plus the guard. Call it once at job start, in the main thread.
+- :func:`activate`: the same, plus the warm-up and the guard. Call it once at job start, in the main thread.
 
 The guard (:func:`activate`, then every :func:`flex_attention` call) makes a first step safe in threads:
 
-- The first call of each call signature runs alone at the gate of :mod:`kernelpack.compiled`; steady-state calls run
-  in parallel.
+- The warm-up (:class:`Warmup`) makes the first call of every covered signature before training, so that no flex
+  call traces during training: a Dynamo trace of a training graph runs make_fx and ``torch.autograd.grad`` with
+  torch.fx's process-global tracing flag set, and waits for the autograd engine's device thread, which may be
+  running another thread's backward whose checkpoint recompute calls flex: a deadlock whatever lock order we pick.
+  After it, Dynamo's own guards tell a served call from one that would trace; the latter is refused
+  (:class:`NotWarmedError`).
+- Without a warm-up (``activate(warmup=False)``, or no artifact), the first call of each call signature runs alone at
+  the gate of :mod:`kernelpack.compiled`; steady-state calls run in parallel; a call inside a backward pass never
+  waits there for long.
 - Strict mode refuses a call the artifact does not cover (:class:`NotPrecompiledError`, from
   :meth:`Manifest.covers`) instead of cold-compiling.
 - The dense math path is refused (:class:`DenseFallbackError`), detected where torch runs it (:mod:`evidence`).
@@ -19,30 +26,38 @@ The guard (:func:`activate`, then every :func:`flex_attention` call) makes a fir
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from . import evidence, settings
-from .artifact import Coverage, Manifest
+from .artifact import BuiltConfig, Coverage, Manifest
+from .canonical import call as canonical_call
+from .canonical import grad_output, make_inputs
 from .compiled import (
     apply_thread_config,
     compiled_flex_attention,
+    dynamo_entries,
+    dynamo_hit,
     ensure_recompile_limit,
     gate,
+    guard_failure,
+    in_backward,
     recompile_floor_for,
     wait_for_foreign_fx_trace,
 )
-from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError
+from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
-from .signature import CallSignature, signature_of
+from .masks import block_mask_for
+from .signature import CallSignature, graph_of, mask_key, signature_of
 from .store import pull
 
 log = logging.getLogger(__name__)
@@ -126,7 +141,7 @@ def _configure_process(result: InstallResult) -> None:
             stacklevel=4,
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(target)
-    ensure_recompile_limit(recompile_floor_for(len(result.manifest.pairs())))
+    ensure_recompile_limit(recompile_floor_for(len(result.manifest.signatures)))
 
 
 def _torch_compiled_already() -> bool:
@@ -147,6 +162,7 @@ class FirstCall:
     thread: str
     seconds: float
     counters: dict[str, int]
+    warmup: bool = False  # made by activate()'s warm-up, not by the job
 
     @property
     def compiled(self) -> list[str]:
@@ -158,6 +174,7 @@ class Activation:
     artifact: str | None
     strict: bool
     install: InstallResult | None = None  # None: activated without an artifact (non-strict)
+    warmup: Warmup | None = None  # None: no warm-up, first calls trace at the gate
 
     @property
     def manifest(self) -> Manifest | None:
@@ -165,7 +182,7 @@ class Activation:
 
     @property
     def covered(self) -> tuple[CallSignature, ...]:
-        """Every (config, device) signature the artifact serves."""
+        """Every (config, device, graph) signature the artifact serves."""
         return self.manifest.signatures if self.manifest is not None else ()
 
     @property
@@ -176,10 +193,52 @@ class Activation:
         return self.manifest.covers(signature) if self.manifest is not None else Coverage(signature, None)
 
     def describe(self) -> str:
+        warm = "no warm-up" if self.warmup is None else self.warmup.describe()
         return (
-            f"kernelpack active: {len(self.covered)} (config, device) pairs from {self.artifact or 'no artifact'}, "
-            f"devices {list(self.devices)}, {'strict' if self.strict else 'non-strict'}"
+            f"kernelpack active: {len(self.covered)} (config, device, graph) signatures from "
+            f"{self.artifact or 'no artifact'}, devices {list(self.devices)}, "
+            f"{'strict' if self.strict else 'non-strict'}, {warm}"
         )
+
+
+class Warmup:
+    """activate()'s warm-up: the first call of every covered signature this process can make, before training.
+
+    After it, a covered call is served by a graph Dynamo already has (checked with Dynamo's own guards,
+    :func:`kernelpack.compiled.dynamo_hit`) and nothing traces during training; a call that would trace is refused
+    (:class:`NotWarmedError`). Run in the activating thread, or in a background thread that every guarded call waits
+    for; never on an autograd engine thread."""
+
+    def __init__(self, background: bool) -> None:
+        self.background = background
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.signatures: set[CallSignature] = set()
+        self.skipped: dict[CallSignature, str] = {}  # covered but not warmed here, and why
+        self.guards: dict[CallSignature, list[Any]] = {}  # Dynamo guard managers its calls created
+
+    def describe(self) -> str:
+        if not self.done.is_set():
+            return "warm-up running in the background"
+        if self.error is not None:
+            return f"warm-up failed: {type(self.error).__name__}: {self.error}"
+        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s"
+
+    def wait(self) -> None:
+        """Until the warm-up is done (bounded); raises if it failed."""
+        if not self.done.is_set():
+            limit = settings.backward_wait_seconds() if in_backward() else settings.warmup_wait_seconds()
+            if not self.done.wait(limit):
+                raise KernelpackError(
+                    f"kernelpack's background warm-up has not finished after {limit:.0f} s",
+                    hint="raise KERNELPACK_WARMUP_WAIT_SECONDS, or activate(warmup=True) to warm before returning",
+                )
+        if self.error is not None:
+            raise KernelpackError(
+                f"activate()'s warm-up failed: {type(self.error).__name__}: {self.error}",
+                hint="run activate(warmup=True) in the main thread to see the full error",
+            ) from self.error
 
 
 @dataclass
@@ -187,7 +246,9 @@ class _State:
     active: Activation | None = None
     ready: set[CallSignature] = field(default_factory=set)
     first_calls: list[FirstCall] = field(default_factory=list)
+    refused: list[tuple[CallSignature, str]] = field(default_factory=list)
     warned: set[CallSignature] = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _state = _State()
@@ -197,6 +258,7 @@ def activate(
     source: str | os.PathLike[str] | None = None,
     *,
     strict: bool = True,
+    warmup: bool | Literal["background"] = True,
     cache_dir: str | os.PathLike[str] | None = None,
     device_index: int = 0,
     allow_mismatch: bool = False,
@@ -211,10 +273,21 @@ def activate(
     [+ ``lock``]: the registry's artifact for this environment, downloaded once per node) into the cache dir inductor
     will use and points this process at it (:func:`install`); then refuses the dense path from now on, and
     (``strict``) every call the artifact does not cover. Returns what is covered.
+
+    ``warmup`` (with an artifact): makes the first call of every covered signature on every visible device of the
+    artifact now (``True``), or in a background thread that the first guarded call waits for (``"background"``).
+    After it, no flex call traces during training: a call that would (not covered, or not as warmed: another mask
+    function, other strides) raises :class:`NotWarmedError`, in non-strict mode too. ``False``: first calls trace
+    at the gate during the job, as before; only safe where no other thread runs backward meanwhile (no threads, or no
+    gradient checkpointing), and non-strict mode then compiles uncovered calls with a warning.
     """
     evidence.install_hooks(refuse_dense=True)
+    if warmup not in (True, False, "background"):
+        raise KernelpackError(f"activate(warmup={warmup!r})", hint='warmup is True, False or "background"')
     if source is None and registry is None:
         source = settings.default_artifact()
+    global _state
+    _state = _State()
     if source is None and registry is None:
         if strict:
             raise KernelpackError(
@@ -232,8 +305,15 @@ def activate(
             allow_mismatch=allow_mismatch,
             device_index=device_index,
         )
-        activation = Activation(artifact=result.artifact, strict=strict, install=result)
-    _state.active = activation
+        warm = Warmup(background=warmup == "background") if warmup else None
+        activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
+    state = _state
+    state.active = activation
+    if activation.warmup is not None:
+        if activation.warmup.background:
+            threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
+        else:
+            _warm_up(state, activation)
     log.info(activation.describe())
     return activation
 
@@ -243,6 +323,81 @@ def deactivate() -> None:
     global _state
     _state = _State()
     evidence.set_refuse_dense(False)
+
+
+def _warm_up(state: _State, activation: Activation) -> None:
+    """The canonical calls (:mod:`kernelpack.canonical`) of every covered signature on the visible devices, each
+    alone at the gate, recorded as first calls with the Dynamo entries they made."""
+    warm, manifest = activation.warmup, activation.manifest
+    assert warm is not None and manifest is not None
+    start = time.perf_counter()
+    try:
+        import torch
+
+        apply_thread_config()
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for built in manifest.configs:
+            config = built.config
+            fn = compiled_flex_attention(config.mode, config.dynamic)
+            for index in built.devices:
+                sigs = built.signatures(index)
+                if config.device == "cuda" and index >= visible:
+                    for sig in sigs:
+                        warm.skipped[sig] = f"cuda:{index} is not visible in this process ({visible} GPUs)"
+                    continue
+                device = "cpu" if config.device == "cpu" else f"cuda:{index}"
+                bm = block_mask_for(config, device)
+                if mask_key(bm.mask_mod) != built.mask_key:
+                    for sig in sigs:
+                        warm.skipped[sig] = (
+                            f"its mask computes {mask_key(bm.mask_mod)!r} here, {built.mask_key!r} in the builder"
+                        )
+                    continue
+                for sig in sigs:
+                    _warm_one(state, warm, fn, built, sig, device, bm)
+    except BaseException as e:
+        warm.error = e
+        if not warm.background:
+            raise
+    finally:
+        warm.seconds = time.perf_counter() - start
+        warm.done.set()
+    if warm.skipped:
+        log.info("warm-up skipped %d signatures: %s", len(warm.skipped), sorted(set(warm.skipped.values())))
+    compiled = [c for c in state.first_calls if c.warmup and c.compiled]
+    if compiled:
+        warnings.warn(
+            f"kernelpack: activate()'s warm-up compiled {len(compiled)} of {len(warm.signatures)} signatures "
+            f"({', '.join(sorted({r for c in compiled for r in c.compiled}))}): {activation.artifact} does not serve "
+            "this environment fully; kernelpack verify says why",
+            KernelpackWarning,
+            stacklevel=3,
+        )
+
+
+def _warm_one(
+    state: _State, warm: Warmup, fn: Callable[..., Any], built: BuiltConfig, sig: CallSignature, device: str, bm: Any
+) -> None:
+    import torch
+
+    config = built.config
+    inputs = make_inputs(config, device, sig.graph, random=False)
+    dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
+    known = {id(e.guard_manager) for e in dynamo_entries(config.mode, config.dynamic) or ()}
+    with gate.exclusive():
+        before = evidence.snapshot()
+        t0 = time.perf_counter()
+        canonical_call(fn, config, sig.graph, inputs, bm, dout)
+        if config.device == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        counters = evidence.delta(before, evidence.snapshot())
+    entries = dynamo_entries(config.mode, config.dynamic) or ()
+    warm.guards[sig] = [e.guard_manager for e in entries if id(e.guard_manager) not in known]
+    warm.signatures.add(sig)
+    with state.lock:
+        state.first_calls.append(FirstCall(sig, config.id, threading.current_thread().name, seconds, counters, True))
+        state.ready.add(sig)
 
 
 # ------------------------------------------------------------------------------------------------ the guard
@@ -266,20 +421,19 @@ def guarded(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
     ) -> Any:
         """Same signature as ``torch.nn.attention.flex_attention.flex_attention``, compiled by kernelpack and
         guarded (see kernelpack.runtime). Safe to call from many threads at once."""
-        return _guarded_call(
-            mode,
-            dynamic,
-            query,
-            key,
-            value,
-            score_mod,
-            block_mask,
-            scale,
-            enable_gqa,
-            return_lse,
-            kernel_options,
-            kwargs,
-        )
+        arguments = {
+            "query": query,
+            "key": key,
+            "value": value,
+            "score_mod": score_mod,
+            "block_mask": block_mask,
+            "scale": scale,
+            "enable_gqa": enable_gqa,
+            "return_lse": return_lse,
+            "kernel_options": kernel_options,
+            **kwargs,
+        }
+        return _guarded_call(mode, dynamic, arguments)
 
     return flex_attention
 
@@ -287,51 +441,119 @@ def guarded(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
 flex_attention = guarded()
 
 
-def _guarded_call(
-    mode: str,
-    dynamic: bool,
-    query: Any,
-    key: Any,
-    value: Any,
-    score_mod: Any,
-    block_mask: Any,
-    scale: Any,
-    enable_gqa: bool,
-    return_lse: bool,
-    kernel_options: Any,
-    kwargs: dict[str, Any],
-) -> Any:
-    apply_thread_config()
-    fn = compiled_flex_attention(mode, dynamic)
-
-    def call() -> Any:
-        return fn(
-            query,
-            key,
-            value,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=enable_gqa,
-            return_lse=return_lse,
-            kernel_options=kernel_options,
-            **kwargs,
-        )
-
+def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     import torch
 
+    apply_thread_config()
+    fn = compiled_flex_attention(mode, dynamic)
+    query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
-        return call()
-    sig = signature_of(query, key, block_mask, kernel_options, mode, dynamic)
+        return fn(**arguments)
+    forward_only = graph_of(query, arguments["key"], arguments["value"]) == "fwd"
+    if forward_only and arguments["score_mod"] is None and torch.is_grad_enabled():
+        # No input requires grad: the same call under no_grad, the grad mode of the canonical forward-only call
+        # (Dynamo guards on grad mode; one Dynamo entry per forward-only signature, warmed once). Not with a
+        # score_mod, which may close over tensors that require grad.
+        with torch.no_grad():
+            return _guarded_call(mode, dynamic, arguments)
     state = _state
+    active = state.active
+    if active is not None and active.warmup is not None:
+        return _serve(state, active, active.warmup, fn, mode, dynamic, arguments)
+    return _first_call_at_the_gate(state, active, fn, mode, dynamic, arguments)
+
+
+def _signature(mode: str, dynamic: bool, arguments: dict[str, Any]) -> CallSignature:
+    a = arguments
+    return signature_of(a["query"], a["key"], a["value"], a["block_mask"], a["kernel_options"], mode, dynamic)
+
+
+def _serve(
+    state: _State,
+    active: Activation,
+    warm: Warmup,
+    fn: Callable[..., Any],
+    mode: str,
+    dynamic: bool,
+    arguments: dict[str, Any],
+) -> Any:
+    """After the warm-up: a call Dynamo serves from a graph it has runs at once, with no gate (nothing traces now);
+    any other is refused. Dynamo's own guards decide (they see strides, grad mode, the mask function's code, ...);
+    where torch cannot run them, the call signature stands in."""
+    warm.wait()
+    # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
+    # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
+    wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
+    hit = dynamo_hit(arguments, mode, dynamic)
+    if hit is None:
+        hit = _signature(mode, dynamic, arguments) in warm.signatures
+    if hit:
+        return fn(**arguments)
+    sig = _signature(mode, dynamic, arguments)
+    coverage = active.covers(sig)
+    if coverage.entry is None and active.strict:
+        error: KernelpackError = refusal(coverage, active.artifact)
+    else:
+        error = _not_warmed(warm, coverage, arguments)
+    with state.lock:
+        state.refused.append((sig, str(error).splitlines()[-1]))
+    raise error
+
+
+def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
+    sig = coverage.signature
+    hint = (
+        "make the call as the warm-up did (kernelpack.canonical: contiguous [B, H, S, D] q/k/v, the BlockMask from "
+        "the recipe's mask function, no score_mod); or activate(warmup=False), where no other thread runs backward "
+        "while a first call compiles"
+    )
+    if coverage.entry is None:
+        reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(
+            f"  {n.describe()}" for n in coverage.nearest
+        )
+        hint = (
+            "add it to the recipe and rebuild; non-strict mode compiles uncovered calls only with "
+            "activate(warmup=False), where no other thread runs backward while a first call compiles"
+        )
+    elif sig in warm.skipped:
+        reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[sig]}"
+    else:
+        failed = [f for gm in warm.guards.get(sig, ()) if (f := guard_failure(gm, arguments))]
+        reason = (
+            "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
+            "Dynamo guards on: " + (failed[0] if failed else "(torch does not say which guard)")
+        )
+        if failed and "mask_mod" in failed[0]:
+            hint = (
+                "build the BlockMask from the recipe's mask function (kernelpack.masks.sliding_window(W), or the "
+                "recipe's factory): another function object with other code is another Dynamo entry, even when it "
+                "computes the same"
+            )
+    return NotWarmedError(sig.describe(), reason, hint=hint)
+
+
+def _first_call_at_the_gate(
+    state: _State,
+    active: Activation | None,
+    fn: Callable[..., Any],
+    mode: str,
+    dynamic: bool,
+    arguments: dict[str, Any],
+) -> Any:
+    """Without a warm-up: the first call of each signature runs alone at the gate, steady-state calls in parallel.
+    A call inside a backward pass waits only briefly (KERNELPACK_BACKWARD_WAIT_SECONDS), then raises: the thread
+    making a first call may be waiting for it (make_fx's ``torch.autograd.grad`` needs the autograd engine thread)."""
+    import torch
+
+    sig = _signature(mode, dynamic, arguments)
+    limit = settings.backward_wait_seconds() if in_backward() else None
     if sig in state.ready:
-        with gate.shared():
-            wait_for_foreign_fx_trace()
-            return call()
-    with gate.exclusive():
+        with _at_gate(gate.shared, limit, sig):
+            wait_for_foreign_fx_trace(limit)
+            return fn(**arguments)
+    with _at_gate(gate.exclusive, limit, sig):
         if sig in state.ready:  # another thread made this first call while we waited
-            return call()
-        active = state.active
+            return fn(**arguments)
         config_id = None
         if active is not None:
             coverage = active.covers(sig)
@@ -343,14 +565,14 @@ def _guarded_call(
                 state.warned.add(sig)
                 warnings.warn(
                     f"kernelpack: {sig.describe()} is not in {active.artifact}; compiling it here (non-strict mode)",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
-        wait_for_foreign_fx_trace()
+        wait_for_foreign_fx_trace(limit)
         before = evidence.snapshot()
         start = time.perf_counter()
-        out = call()
+        out = fn(**arguments)
         if sig.device_index is not None:
-            torch.cuda.synchronize(query.device)
+            torch.cuda.synchronize(arguments["query"].device)
         state.first_calls.append(
             FirstCall(
                 sig,
@@ -364,14 +586,32 @@ def _guarded_call(
         return out
 
 
+@contextlib.contextmanager
+def _at_gate(
+    enter: Callable[[float | None], contextlib.AbstractContextManager[None]], limit: float | None, sig: CallSignature
+) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(enter(limit))
+        except TimeoutError:
+            raise KernelpackError(
+                f"a flex_attention call inside a backward pass (a checkpoint recompute?) waited {limit:.0f} s for "
+                "another thread's first call, which may be waiting for this thread (the autograd engine runs "
+                f"backward on one thread per device): refused instead of deadlocking. The call: {sig.describe()}",
+                hint="activate() an artifact with warm-up (the default) so that nothing compiles during training; or "
+                "make every call once before starting threads; or raise KERNELPACK_BACKWARD_WAIT_SECONDS",
+            ) from None
+        yield
+
+
 def refusal(coverage: Coverage, artifact: str | None) -> NotPrecompiledError:
     """Strict mode's error for an uncovered call: the call, the nearest covered signatures with what differs, and
-    whether the device index is all that differs (then the fix is pinning or --devices, not the recipe)."""
+    the one field that differs when only one does (device index: pinning; graph: the recipe's graphs)."""
     return NotPrecompiledError(
         coverage.signature.describe(),
         [n.describe() for n in coverage.nearest],
         artifact=artifact,
-        device_only=coverage.device_only,
+        only=coverage.only,
     )
 
 
@@ -380,7 +620,9 @@ def refusal(coverage: Coverage, artifact: str | None) -> NotPrecompiledError:
 
 @dataclass(frozen=True, slots=True)
 class RuntimeReport:
-    first_calls: list[FirstCall]
+    first_calls: list[FirstCall]  # the warm-up's, then the job's (without warm-up)
+    refused: list[tuple[CallSignature, str]] = field(default_factory=list)  # calls refused after the warm-up, why
+    warmup_seconds: float | None = None  # what activate()'s warm-up took; None without one
 
     @property
     def compiled(self) -> list[FirstCall]:
@@ -395,31 +637,49 @@ class RuntimeReport:
             c.counters.get("triton_compiled", 0) + c.counters.get("cpp_compiled", 0) for c in self.first_calls
         )
         misses = sum(c.counters.get("inductor.fxgraph_cache_miss", 0) for c in self.first_calls)
-        return (
+        warm = sum(c.warmup for c in self.first_calls)
+        text = (
             f"{kernels} kernels compiled, {misses} FX-graph misses over {len(self.first_calls)} first calls "
-            f"({self.first_call_seconds:.2f} s)"
+            f"({self.first_call_seconds:.2f} s"
         )
+        if warm:
+            text += f"; {warm} made by the warm-up"
+        text += ")"
+        if self.refused:
+            text += f"; {len(self.refused)} calls refused"
+        return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "summary": self.summary(),
+            "warmup_seconds": self.warmup_seconds,
             "first_calls": [
                 {
                     "call": c.signature.describe(),
                     "config": c.config_id,
                     "thread": c.thread,
+                    "warmup": c.warmup,
                     "seconds": c.seconds,
                     "compiled": c.compiled,
                     "counters": {k: v for k, v in c.counters.items() if v},
                 }
                 for c in self.first_calls
             ],
+            "refused": [{"call": sig.describe(), "why": why} for sig, why in self.refused],
         }
 
 
 def report() -> RuntimeReport:
-    """What every first call cost and whether it compiled anything, from torch's counters (see :mod:`evidence`)."""
-    return RuntimeReport(list(_state.first_calls))
+    """What every first call cost and whether it compiled anything, from torch's counters (see :mod:`evidence`);
+    what the warm-up took; which calls were refused after it."""
+    state = _state
+    warm = state.active.warmup if state.active is not None else None
+    with state.lock:
+        return RuntimeReport(
+            list(state.first_calls),
+            list(state.refused),
+            warm.seconds if warm is not None and warm.done.is_set() else None,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- GPUs

@@ -6,12 +6,14 @@ A bad value is a :class:`SettingError` naming the variable, its value and what i
 | variable                         | default                                   | used by                         |
 |----------------------------------|-------------------------------------------|---------------------------------|
 | ``KERNELPACK_ARTIFACT``          | none                                      | ``runtime.activate()``          |
+| ``KERNELPACK_BACKWARD_WAIT_SECONDS`` | ``10``                                | the runtime guard, in backward  |
 | ``KERNELPACK_DEBUG``             | ``0``                                     | the CLI (tracebacks)            |
 | ``KERNELPACK_DOWNLOAD_DIR``      | ``$XDG_CACHE_HOME/kernelpack/downloads``  | registry pulls                  |
 | ``KERNELPACK_FX_WAIT_SECONDS``   | ``300``                                   | the runtime guard               |
 | ``KERNELPACK_INSTALL_LOCK``      | ``1``                                     | install (``0``: no node lock)   |
 | ``KERNELPACK_LOCK_TIMEOUT``      | ``600``                                   | every file lock                 |
 | ``KERNELPACK_MAX_EXPANDED_BYTES``| ``68719476736`` (64 GiB)                  | reading artifacts               |
+| ``KERNELPACK_WARMUP_WAIT_SECONDS`` | ``900``                                 | calls during a background warm-up |
 
 and the variables of others that kernelpack honours: ``LOCAL_RANK`` (torchrun), ``SOURCE_DATE_EPOCH``
 (reproducible builds), ``XDG_CACHE_HOME``, ``CUDA_VISIBLE_DEVICES``, ``TORCHINDUCTOR_CACHE_DIR`` and
@@ -67,6 +69,13 @@ def default_artifact() -> str | None:
     return _get("KERNELPACK_ARTIFACT")
 
 
+def backward_wait_seconds() -> float:
+    """``KERNELPACK_BACKWARD_WAIT_SECONDS``: how long a guarded call made inside a backward pass (a checkpoint
+    recompute) waits for another thread's first call or FX trace before raising: that thread may be waiting for this
+    one (the autograd engine runs backward on one thread per device)."""
+    return _seconds("KERNELPACK_BACKWARD_WAIT_SECONDS", 10.0)
+
+
 def debug() -> bool:
     """``KERNELPACK_DEBUG=1``: the CLI shows tracebacks, like ``-v``."""
     return _get("KERNELPACK_DEBUG") == "1"
@@ -100,6 +109,11 @@ def max_expanded_bytes() -> int:
     """``KERNELPACK_MAX_EXPANDED_BYTES``: artifacts declaring more are refused (decompression-bomb cap)."""
     value = _count("KERNELPACK_MAX_EXPANDED_BYTES", "a byte count, e.g. 68719476736")
     return 64 << 30 if value is None else value
+
+
+def warmup_wait_seconds() -> float:
+    """``KERNELPACK_WARMUP_WAIT_SECONDS``: how long a guarded call waits for ``activate(warmup="background")``."""
+    return _seconds("KERNELPACK_WARMUP_WAIT_SECONDS", 900.0)
 
 
 def local_rank() -> int | None:

@@ -26,9 +26,13 @@ from typing import Any, Literal, get_args
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["bfloat16", "float16", "float32"]
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+# The forward-only graph (no input requires grad, or grad mode is off: inference, and the forward of *reentrant*
+# gradient checkpointing, which runs under no_grad) or the training graph (forward + backward).
+Graph = Literal["fwd", "fwd+bwd"]
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 COMPILE_MODES: tuple[str, ...] = get_args(Mode)
+GRAPHS: tuple[str, ...] = get_args(Graph)
 
 # shown by describe() in its fixed layout; every other field is shown as name=value when it is not its default
 _LAYOUT_FIELDS = frozenset(
@@ -43,7 +47,6 @@ _LAYOUT_FIELDS = frozenset(
         "kv_len",
         "head_dim",
         "dtype",
-        "backward",
     )
 )
 
@@ -61,7 +64,6 @@ class CallParams:
     kv_len: int
     head_dim: int
     dtype: Dtype
-    backward: bool  # the training graph (forward + backward), not the forward-only graph
     kernel_options: tuple[tuple[str, Any], ...] = ()
     mode: Mode = "default"
     dynamic: bool = False
@@ -70,11 +72,11 @@ class CallParams:
     def enable_gqa(self) -> bool:
         return self.q_heads != self.kv_heads
 
-    def _describe(self, mask: str, device: str) -> str:
+    def _describe(self, mask: str, device: str, graphs: str) -> str:
         lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
         text = (
             f"[{device} {mask} B={self.batch} Hq={self.q_heads} Hkv={self.kv_heads} {lens} D={self.head_dim} "
-            f"{self.dtype} {'fwd+bwd' if self.backward else 'fwd'}"
+            f"{self.dtype} {graphs}"
         )
         for f in dataclasses.fields(CallParams):
             value = getattr(self, f.name)
@@ -90,10 +92,11 @@ class CallSignature(CallParams):
 
     mask: str
     device_index: int | None
+    graph: Graph
 
     def describe(self) -> str:
         device = self.device if self.device_index is None else f"{self.device}:{self.device_index}"
-        return self._describe(self.mask, device)
+        return self._describe(self.mask, device, self.graph)
 
     def differences(self, other: CallSignature) -> list[tuple[str, Any, Any]]:
         """(field, value here, value there) for every field that differs."""
@@ -104,10 +107,19 @@ class CallSignature(CallParams):
         ]
 
 
-def signature_of(query: Any, key: Any, block_mask: Any, kernel_options: Any, mode: str, dynamic: bool) -> CallSignature:
+def graph_of(query: Any, key: Any, value: Any) -> Graph:
+    """The graph a call needs: the training graph when autograd will record it, else the forward-only one."""
+    import torch
+
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return "fwd+bwd" if grad else "fwd"
+
+
+def signature_of(
+    query: Any, key: Any, value: Any, block_mask: Any, kernel_options: Any, mode: str, dynamic: bool
+) -> CallSignature:
     """The signature of a flex_attention call on these tensors. enable_gqa is implied by the head counts (torch
     refuses a mismatch); the graph is the training one when autograd will record the call."""
-    import torch
 
     b, hq, q_len, d = query.shape
     device = query.device
@@ -122,7 +134,7 @@ def signature_of(query: Any, key: Any, block_mask: Any, kernel_options: Any, mod
         kv_len=key.shape[2],
         head_dim=d,
         dtype=str(query.dtype).removeprefix("torch."),  # type: ignore[arg-type]
-        backward=torch.is_grad_enabled() and (query.requires_grad or key.requires_grad),
+        graph=graph_of(query, key, value),
         kernel_options=tuple(sorted((kernel_options or {}).items())),
         mode=mode,  # type: ignore[arg-type]
         dynamic=dynamic,

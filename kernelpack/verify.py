@@ -1,7 +1,7 @@
 """``kernelpack verify``: prove that an artifact makes the first call of every config compile nothing.
 
 In a fresh subprocess (:mod:`kernelpack._worker`) with an empty cache dir: install the artifact, then run every
-(config, device) of its manifest in shuffled order through the canonical entry points (forward and backward as built)
+(config, device) of its manifest in shuffled order through the canonical entry points (every graph as built)
 and read torch's own counters (:mod:`kernelpack.evidence`). Passes only if, summed over all configs, there were no
 FX-graph or AOTAutograd cache misses, no Triton or C++ kernel was compiled, flex_attention's dense path never ran,
 and every mask_mod is the one the builder recorded.

@@ -1,15 +1,17 @@
-"""Run one config through the canonical entry point, and check it against a reference computed without flex.
+"""Run one config's canonical calls (:mod:`kernelpack.canonical`) through the public entry point, and check them
+against a reference computed without flex.
 
 Builder and verifier both call :func:`run_config`, so what is verified is exactly what was built.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .canonical import call as canonical_call
+from .canonical import grad_output, make_inputs
 from .masks import block_mask_for, mask_for
 from .runtime import flex_attention, guarded
 from .signature import mask_key
@@ -26,53 +28,35 @@ TOLERANCE = {"float32": 2e-3, "float16": 1e-2, "bfloat16": 3e-2}
 
 @dataclass(frozen=True, slots=True)
 class CallResult:
-    seconds: float  # wall time of the first canonical call (forward, and backward when built), synchronized
-    errors: dict[str, float]  # relative error per output/gradient (empty when not checked)
+    seconds: float  # wall time of the first canonical calls of every graph built, synchronized
+    errors: dict[str, float]  # relative error per graph and output/gradient, "fwd+bwd:dq" (empty when not checked)
     mask_key: str  # what the call's mask_mod computes (signature.mask_key): the manifest records it
-
-
-def make_inputs(config: Config, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    import torch
-
-    seed = int(hashlib.sha256(config.id.encode()).hexdigest()[:8], 16)
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dtype = getattr(torch, config.dtype)
-
-    def rand(heads: int, length: int) -> torch.Tensor:
-        t = torch.randn(config.batch, heads, length, config.head_dim, generator=gen, dtype=torch.float32)
-        return t.to(device=device, dtype=dtype).requires_grad_(config.backward)
-
-    q = rand(config.q_heads, config.q_len)
-    return q, rand(config.kv_heads, config.kv_len), rand(config.kv_heads, config.kv_len)
+    seconds_by_graph: dict[str, float] = field(default_factory=dict)
 
 
 def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult:
-    """The canonical call: fresh inputs, the canonical BlockMask, forward (+ backward), then the reference check."""
-    import torch
-
-    q, k, v = make_inputs(config, device)
-    dout = None
-    if config.backward:  # drawn before the clock starts: a 16k-long randn costs more than a warm call
-        gen = torch.Generator(device="cpu").manual_seed(1)
-        dout = torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=q.dtype)
-    bm = block_mask_for(config, device)
+    """The canonical calls of every graph of the config (:mod:`kernelpack.canonical`): fresh inputs, the canonical
+    BlockMask, forward (+ backward), then the reference check."""
     # The public wrapper for the default options, so that verify proves what users call.
     fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else guarded(config.mode, config.dynamic)
-    _sync(device)
-    start = time.perf_counter()
-    out = fn(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa, kernel_options=dict(config.kernel_options) or None)
-    grads: tuple[torch.Tensor, ...] = ()
-    if dout is not None:
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    bm = block_mask_for(config, device)
     errors: dict[str, float] = {}
-    if check:
-        ref = reference_attention(config, q, k, v, dout)
-        got = (out, *grads)
-        for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref, strict=False):
-            errors[name] = _rel_error(g, r)
-    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod))
+    by_graph: dict[str, float] = {}
+    for graph in config.graphs:
+        inputs = make_inputs(config, device, graph)
+        dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None  # drawn before the clock starts
+        _sync(device)
+        start = time.perf_counter()
+        out, grads = canonical_call(fn, config, graph, inputs, bm, dout)
+        _sync(device)
+        by_graph[graph] = time.perf_counter() - start
+        if check:
+            ref = reference_attention(config, *inputs, dout)
+            for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, strict=False):
+                errors[f"{graph}:{name}"] = _rel_error(g, r)
+    return CallResult(
+        seconds=sum(by_graph.values()), errors=errors, mask_key=mask_key(bm.mask_mod), seconds_by_graph=by_graph
+    )
 
 
 def check_errors(config: Config, errors: dict[str, float]) -> str | None:

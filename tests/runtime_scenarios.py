@@ -5,11 +5,14 @@ python tests/runtime_scenarios.py SCENARIO ARTIFACT CACHE_DIR   -> prints one JS
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -17,10 +20,10 @@ import torch
 import kernelpack
 from kernelpack import compiled, runtime
 from kernelpack.artifact import read_manifest
-from kernelpack.errors import DenseFallbackError, NotPrecompiledError
+from kernelpack.canonical import make_inputs
+from kernelpack.errors import DenseFallbackError, KernelpackError, NotPrecompiledError
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import Config
-from kernelpack.workload import make_inputs
 
 
 def configs(artifact: str) -> list[Config]:
@@ -33,14 +36,15 @@ def call(config: Config, mask: Any = None) -> Any:
     return kernelpack.flex_attention(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa)
 
 
-def threads(artifact: str, cache: str) -> dict[str, Any]:
-    """4 threads x every config at once, first calls racing; repeated 20 times with Dynamo's memory cleared."""
+def threads(artifact: str, cache: str, warmup: bool = True) -> dict[str, Any]:
+    """4 threads x every config at once, first calls racing (without warm-up; with it, activate() made them);
+    repeated 20 times with Dynamo's memory cleared."""
     cs = configs(artifact)
     rounds = []
     for _ in range(20):
         torch._dynamo.reset()  # the next call is a true first call again (from the on-disk cache)
         runtime.deactivate()
-        runtime.activate(artifact, cache_dir=cache)
+        runtime.activate(artifact, cache_dir=cache, warmup=warmup)
         barrier = threading.Barrier(4)
         errors: list[str] = []
 
@@ -63,12 +67,17 @@ def threads(artifact: str, cache: str) -> dict[str, Any]:
             {
                 "errors": errors,
                 "first_calls": len(rep.first_calls),
+                "warmup_calls": sum(c.warmup for c in rep.first_calls),
                 "compiled": len(rep.compiled),
                 "fx_hits": hits,
                 "alive": sum(t.is_alive() for t in ts),
             }
         )
     return {"rounds": rounds, "configs": len(cs)}
+
+
+def threads_no_warmup(artifact: str, cache: str) -> dict[str, Any]:
+    return threads(artifact, cache, warmup=False)
 
 
 def strict_uncovered(artifact: str, cache: str) -> dict[str, Any]:
@@ -82,10 +91,10 @@ def strict_uncovered(artifact: str, cache: str) -> dict[str, Any]:
     return {"error": None}
 
 
-def non_strict(artifact: str, cache: str) -> dict[str, Any]:
+def non_strict_no_warmup(artifact: str, cache: str) -> dict[str, Any]:
     import warnings
 
-    runtime.activate(artifact, cache_dir=cache, strict=False)
+    runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
     c = configs(artifact)[0]
     uncovered = Config.from_dict({**c.to_dict(), "q_len": 128, "kv_len": 128})
     with warnings.catch_warnings(record=True) as caught:
@@ -168,9 +177,10 @@ def foreign_fx_trace(artifact: str, cache: str) -> dict[str, Any]:
 
 
 def overlap(artifact: str, cache: str) -> dict[str, Any]:
-    """Steady-state calls from 4 threads hold the gate together: it does not serialize them. A monitor samples how
-    many calls are inside the gate at once (times measured around the call would include waiting for the gate)."""
-    runtime.activate(artifact, cache_dir=cache)
+    """Without warm-up, steady-state calls from 4 threads hold the gate together: it does not serialize them. A
+    monitor samples how many calls are inside the gate at once (times measured around the call would include waiting
+    for the gate). (With warm-up, served calls do not enter the gate at all: see `served_calls_skip_the_gate`.)"""
+    runtime.activate(artifact, cache_dir=cache, warmup=False)
     big = configs(artifact)[0]
     call(big)
     q, k, v = make_inputs(big, "cpu")
@@ -220,10 +230,206 @@ def thread_config(artifact: str, cache: str) -> dict[str, Any]:
     return {**seen, "main": dconfig.recompile_limit, "floor": compiled.recompile_floor()}
 
 
+def not_warmed(artifact: str, cache: str) -> dict[str, Any]:
+    """After the warm-up, in non-strict mode: calls Dynamo would trace are refused and explained, nothing compiles;
+    the same call as the warm-up's, from another thread and with a freshly built BlockMask, is served."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    runtime.activate(artifact, cache_dir=cache, strict=False)
+    c = configs(artifact)[0]
+    q, k, v = make_inputs(c, "cpu")
+    out: dict[str, Any] = {}
+
+    def attempt(name: str, fn: Any) -> None:
+        try:
+            fn()
+            out[name] = "served"
+        except KernelpackError as e:
+            out[name] = {"type": type(e).__name__, "error": str(e), "hint": e.hint}
+
+    # the recipe's mask function, a new BlockMask (as a job rebuilding it every step), another thread
+    t = threading.Thread(target=attempt, args=("same_call", lambda: call(c)))
+    t.start()
+    t.join()
+    window = c.window
+
+    def own_mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # the same meaning, in the user's own code
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    own = create_block_mask(own_mask, None, None, c.q_len, c.kv_len, device="cpu")
+    attempt("own_mask", lambda: kernelpack.flex_attention(q, k, v, block_mask=own))
+
+    def tagged(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # claims to be the built-in: covered by name
+        return (q_idx - kv_idx < window) & (q_idx >= kv_idx)
+
+    tagged.kernelpack_mask = c.mask_label  # type: ignore[attr-defined]
+    imposter = create_block_mask(tagged, None, None, c.q_len, c.kv_len, device="cpu")
+    attempt("other_code", lambda: kernelpack.flex_attention(q, k, v, block_mask=imposter))
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]  # proj(x).view(B,S,H,D).transpose
+    attempt("transposed", lambda: kernelpack.flex_attention(*bshd, block_mask=block_mask_for(c, "cpu")))
+    uncovered = Config.from_dict({**c.to_dict(), "q_len": 128, "kv_len": 128})
+    attempt("uncovered", lambda: call(uncovered))
+    rep = runtime.report()
+    out["compiled"] = len(rep.compiled)
+    out["first_calls"] = [(f.warmup, f.signature.graph) for f in rep.first_calls]
+    out["refused"] = len(rep.refused)
+    out["summary"] = rep.summary()
+    return out
+
+
+def background(artifact: str, cache: str) -> dict[str, Any]:
+    """activate(warmup="background") returns at once; 3 threads call at once and wait for it, then are served."""
+    t0 = time.perf_counter()
+    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    returned = time.perf_counter() - t0
+    errors: list[str] = []
+
+    def worker() -> None:
+        try:
+            for c in configs(artifact):
+                call(c)
+        except BaseException as e:
+            errors.append(f"{type(e).__name__}: {e}")
+
+    ts = [threading.Thread(target=worker) for _ in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=300)
+    rep = runtime.report()
+    return {
+        "returned": returned,
+        "warmup_seconds": rep.warmup_seconds,
+        "errors": errors,
+        "first_calls": [(f.warmup, f.thread) for f in rep.first_calls],
+        "compiled": len(rep.compiled),
+    }
+
+
+class _Engine:
+    """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
+    it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and
+    waits, once the recompute is on the executor (``on_engine``)."""
+
+    def __init__(self, artifact: str) -> None:
+        c = configs(artifact)[0]
+        self.q, self.k, self.v = make_inputs(c, "cpu")
+        self.bm = block_mask_for(c, "cpu")
+        self.uncovered = Config.from_dict({**c.to_dict(), "q_len": 128, "kv_len": 128})
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.on_engine, self.a_compiling = threading.Event(), threading.Event()
+        torch._dynamo.callback.on_compile_start(self._a_compile_needs_the_engine)
+
+    def _a_compile_needs_the_engine(self, *args: Any) -> None:
+        if threading.current_thread().name == "A":
+            self.a_compiling.set()
+            self.on_engine.wait(30)
+            self.executor.submit(lambda: None).result()
+
+    def recompute(self) -> None:
+        """The covered call a checkpoint recompute makes."""
+        self.on_engine.set()
+        kernelpack.flex_attention(self.q, self.k, self.v, block_mask=self.bm)
+
+
+def synthetic_engine(artifact: str, cache: str) -> dict[str, Any]:
+    """The deadlock of threads + gradient checkpointing, with one executor thread standing in for the autograd
+    engine's device thread (on CPU the engine runs backward in the calling thread, so the real cycle cannot form).
+
+    Thread A makes a call that would compile (non-strict, not covered), and its compile needs the executor
+    (:class:`_Engine`). Thread B runs backward through an autograd Function whose backward is handed to the executor
+    and calls the guarded entry with a covered call (a checkpoint recompute). With the first-call gate of 58147ec, A
+    holds the gate and waits for the executor, whose job waits at the gate for A: no progress, the threads are still
+    alive after 60 s. With the warm-up, B's call is served without the gate and A is refused before compiling.
+    """
+    kwargs: dict[str, Any] = {"strict": False}
+    if "warmup" in inspect.signature(runtime.activate).parameters:  # so that the same file runs against 58147ec
+        kwargs["warmup"] = True
+    runtime.activate(artifact, cache_dir=cache, **kwargs)
+    engine = _Engine(artifact)
+    out: dict[str, Any] = {}
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return engine.executor.submit(lambda: (engine.recompute(), g)[1]).result()
+
+    def thread_a() -> None:
+        try:
+            call(engine.uncovered)
+            out["a"] = "compiled"
+        except KernelpackError as e:
+            out["a"] = type(e).__name__
+        finally:
+            engine.a_compiling.set()  # "compiling or done": B goes on either way
+
+    def thread_b() -> None:
+        engine.a_compiling.wait(60)
+        Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+        out["b"] = "done"
+
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=thread_a, name="A", daemon=True), threading.Thread(target=thread_b, daemon=True)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=max(0.0, 60 - (time.perf_counter() - t0)))
+    out["alive"] = sum(t.is_alive() for t in ts)
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def backward_wait(artifact: str, cache: str) -> dict[str, Any]:
+    """Without warm-up, a call made inside a backward pass waits at the gate only KERNELPACK_BACKWARD_WAIT_SECONDS
+    (set to 2 by the test) for another thread's first call, then raises: the synthetic cycle of `synthetic_engine`
+    with the executor's job running inside a graph task, as the engine's is. It never hangs."""
+    runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
+    engine = _Engine(artifact)
+    out: dict[str, Any] = {}
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            out["in_backward"] = compiled.in_backward()
+            engine.recompute()
+            return g
+
+    def engine_job() -> None:
+        try:
+            Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+            out["b"] = "done"
+        except KernelpackError as e:
+            out["b"] = str(e)
+
+    def thread_a() -> None:
+        call(engine.uncovered)
+        out["a"] = "compiled"
+
+    t0 = time.perf_counter()
+    a = threading.Thread(target=thread_a, name="A", daemon=True)
+    a.start()
+    engine.a_compiling.wait(60)
+    job = engine.executor.submit(engine_job)
+    a.join(timeout=60)
+    job.result(timeout=max(0.0, 60 - (time.perf_counter() - t0)))
+    out["alive"] = int(a.is_alive())
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
 if __name__ == "__main__":
     name, artifact, cache = sys.argv[1:4]
     try:
         result = globals()[name](artifact, cache)
     except BaseException as e:
         result = {"crash": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # threads a scenario proved stuck must not keep the process alive

@@ -343,12 +343,14 @@ def test_covers_hit_miss_nearest_and_device_only() -> None:
         source="m",
     )
     config = Config.from_dict(PARAMS)
-    hit = m.covers(config.signature(0))
+    hit = m.covers(config.signature(0, "fwd+bwd"))
     assert hit.covered and hit.entry is m.configs[0] and hit.nearest == ()
-    on_gpu3 = m.covers(config.signature(3))
+    on_gpu3 = m.covers(config.signature(3, "fwd+bwd"))
     assert not on_gpu3.covered and on_gpu3.device_only
     assert on_gpu3.nearest[0].differences == (("device_index", 0, 3),)
-    longer = Config.from_dict({**PARAMS, "q_len": 8192, "kv_len": 8192}).signature(0)
+    forward_only = m.covers(config.signature(0, "fwd"))  # built fwd+bwd only (`backward = true`)
+    assert not forward_only.covered and forward_only.only == ("graph", "fwd+bwd", "fwd")
+    longer = Config.from_dict({**PARAMS, "q_len": 8192, "kv_len": 8192}).signature(0, "fwd+bwd")
     miss = m.covers(longer)
     assert not miss.device_only and len(miss.nearest) == 2
     assert miss.nearest[0].describe().endswith("(differs in: q_len 4096 vs 8192, kv_len 4096 vs 8192)")

@@ -77,6 +77,28 @@ def test_cold_compile_is_seen_by_the_triton_listener(tmp_path: Path) -> None:
     assert d["triton_compiled"] > 0 and d["inductor.fxgraph_cache_miss"] >= 2
 
 
+def test_threads_with_gradient_checkpointing_compile_nothing_and_never_hang(gpu_artifact: Path, tmp_path: Path) -> None:
+    """The seeds' setting: 3 threads, each a block under checkpoint(), after activate(). On the gate of 58147ec the
+    non-reentrant mode deadlocked (a first call's make_fx waited for the autograd engine thread, which ran another
+    thread's recompute waiting at the gate); each run is a fresh process bounded by 120 s."""
+    out = tmp_path / "ckpt.json"
+    script = Path(__file__).parent.parent / "bench" / "checkpoint_threads.py"
+    args = ["--modes", "nonreentrant,reentrant,both", "--runs", "1", "--threads", "3", "--timeout", "120"]
+    subprocess.run(
+        [sys.executable, str(script), "--artifact", str(gpu_artifact), *args, "--out", str(out)],
+        check=True,
+        timeout=600,
+    )
+    runs = json.loads(out.read_text())["runs"]
+    for mode in ("nonreentrant", "reentrant", "both"):
+        (r,) = runs[mode]
+        assert "timeout" not in r and "crash" not in r, r
+        assert r["errors"] == [] and r["alive"] == 0 and r["refused"] == [], r
+        # nothing compiled or traced during the steps: every call was the warm-up's graph
+        assert r["compiled_during_steps"] == [] and r["dynamo_frames_compiled"] == 0, r
+        assert r["warmup_calls"] == 2 * r["configs"] and r["warmup_compiled"] == []
+
+
 def _gpus() -> int:
     import torch
 

@@ -29,6 +29,7 @@ LAYERS = {
     # mechanisms: each does one thing to files, torch or a registry; none starts a job
     "compiled": 2,
     "masks": 2,
+    "canonical": 2,
     "installer": 2,
     "store": 2,
     # process: the one module with process side effects

@@ -28,7 +28,9 @@ def base(**over: object) -> dict:
         },
     }
     for k, v in over.items():
-        if k.startswith("matrix."):
+        if k.startswith("matrix.") and v is None:
+            data["matrix"].pop(k[7:])
+        elif k.startswith("matrix."):
             data["matrix"][k[7:]] = v
         elif v is None:
             data.pop(k)
@@ -39,9 +41,11 @@ def base(**over: object) -> dict:
 
 def test_shipped_recipes_parse() -> None:
     smoke = load_recipe(ROOT / "recipes" / "smoke-cpu.toml")
-    assert smoke.device == "cpu" and all(not c.backward for c in smoke.configs)
+    assert smoke.device == "cpu" and all(c.graphs == ("fwd",) for c in smoke.configs)
     drafter = load_recipe(ROOT / "recipes" / "dflash-drafter.toml")
     assert len(drafter.configs) == 6
+    # the seeds' drafters use reentrant checkpointing: forward-only under no_grad, then the training graph
+    assert all(c.graphs == ("fwd", "fwd+bwd") for c in drafter.configs)
     assert {(c.q_len, c.window) for c in drafter.configs} == {(s, w) for s in (4096, 8192, 16384) for w in (1024, 2048)}
     assert all(c.enable_gqa and c.q_heads == 32 and c.kv_heads == 8 and c.head_dim == 128 for c in drafter.configs)
 
@@ -100,6 +104,25 @@ def test_validation_names_file_key_value_and_allowed(over: dict, key: str, fragm
     assert msg.startswith(f"r.toml: {key}: "), msg
     assert fragment in msg
     assert exc.value.key == key
+
+
+def test_graphs_and_the_older_backward_key() -> None:
+    both = parse_recipe(base(**{"matrix.backward": None, "matrix.graphs": ["fwd+bwd", "fwd"]}))
+    assert all(c.graphs == ("fwd", "fwd+bwd") and c.backward for c in both.configs)  # normalized to one order
+    assert both.normalized["matrix"]["graphs"] == ["fwd", "fwd+bwd"]
+    legacy = parse_recipe(base())  # backward = true
+    assert all(c.graphs == ("fwd+bwd",) for c in legacy.configs)
+    assert parse_recipe(base(**{"matrix.backward": None, "matrix.graphs": ["fwd+bwd"]})).sha256 == legacy.sha256
+    fwd = parse_recipe(base(**{"matrix.backward": False}))
+    assert all(c.graphs == ("fwd",) and not c.backward for c in fwd.configs)
+    # a config is one point with its graphs; its signatures are one per graph
+    c = both.configs[0]
+    assert [s.graph for s in c.signatures(0)] == ["fwd", "fwd+bwd"]
+    assert {s.graph for s in c.signatures(0)} == {"fwd", "fwd+bwd"} and c.id != legacy.configs[0].id
+    # manifests written before `graphs` carry `backward`
+    old = {k: v for k, v in legacy.configs[0].to_dict().items() if k != "graphs"}
+    assert Config.from_dict({**old, "backward": True}) == legacy.configs[0]
+    assert Config.from_dict({**old, "backward": False}).graphs == ("fwd",)
 
 
 def test_unknown_dtype_lists_allowed_values() -> None:

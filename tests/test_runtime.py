@@ -16,7 +16,7 @@ from kernelpack.artifact import BuiltConfig, Manifest
 from kernelpack.errors import KernelpackError
 from kernelpack.keys import BuildKey
 from kernelpack.recipe import Config, load_recipe
-from kernelpack.signature import CallSignature
+from kernelpack.signature import CallSignature, Graph
 
 SCENARIOS = Path(__file__).with_name("runtime_scenarios.py")
 REPO = Path(__file__).parent.parent
@@ -36,11 +36,22 @@ def scenario(name: str, artifact: Path, tmp_path: Path) -> dict:
     return out
 
 
-def test_four_threads_first_calls_at_once_compile_nothing_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
+def test_four_threads_after_the_warm_up_compile_nothing_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
     out = scenario("threads", smoke_artifact, tmp_path)
     assert len(out["rounds"]) == 20
     for r in out["rounds"]:
         assert r["errors"] == [] and r["alive"] == 0
+        # activate() made every first call, served from the cache; the threads' calls (grad mode on, inputs that
+        # need no grad) are made under no_grad like the warm-up's, so they hit its Dynamo entries
+        assert r["first_calls"] == r["warmup_calls"] == out["configs"] and r["compiled"] == 0
+        assert r["fx_hits"] == out["configs"]
+
+
+def test_four_threads_first_calls_at_once_without_warm_up_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
+    out = scenario("threads_no_warmup", smoke_artifact, tmp_path)
+    assert len(out["rounds"]) == 20
+    for r in out["rounds"]:
+        assert r["errors"] == [] and r["alive"] == 0 and r["warmup_calls"] == 0
         # each (config, device) had exactly one first call, served from the cache, whichever thread made it
         assert r["first_calls"] == out["configs"] and r["compiled"] == 0 and r["fx_hits"] == out["configs"]
 
@@ -54,8 +65,10 @@ def test_strict_mode_refuses_an_uncovered_call_naming_it_and_the_nearest(smoke_a
     assert out["compiled"] == 0
 
 
-def test_non_strict_compiles_under_the_lock_and_warns_once(smoke_artifact: Path, tmp_path: Path) -> None:
-    out = scenario("non_strict", smoke_artifact, tmp_path)
+def test_non_strict_without_warm_up_compiles_under_the_lock_and_warns_once(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    out = scenario("non_strict_no_warmup", smoke_artifact, tmp_path)
     assert len(out["warnings"]) == 1 and "seq=128" in out["warnings"][0]
     (first,) = out["first_calls"]
     assert first["config"] is None and first["compiled"]  # it really compiled, and the report says so
@@ -78,6 +91,55 @@ def test_foreign_fx_trace_dense_fallback_is_refused_and_kernelpack_waits(smoke_a
     assert out["raw"].startswith("DenseFallbackError")
     assert 0.4 < out["kernelpack_waited"] < 30  # waited for the trace to end, then ran compiled
     assert out["dense_calls_refused"] == 1  # only torch's raw call reached the dense path
+
+
+def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Non-strict mode too: nothing compiles during training. Each refusal says why in Dynamo's words."""
+    out = scenario("not_warmed", smoke_artifact, tmp_path)
+    assert out["same_call"] == "served"  # another thread, a BlockMask rebuilt from the recipe's mask function
+    own = out["own_mask"]  # named by its code: not covered (masks by traced graph are for a later issue)
+    assert own["type"] == "NotWarmedError" and "does not cover it" in own["error"]
+    assert "mask 'sliding_window(64)' vs 'not_warmed.<locals>.own_mask#" in own["error"]
+    other = out["other_code"]  # covered by name, but Dynamo guards on the mask function's code object
+    assert other["type"] == "NotWarmedError" and "warmed it" in other["error"] and "mask_mod" in other["error"]
+    assert "recipe's mask function" in other["hint"]
+    bshd = out["transposed"]
+    assert bshd["type"] == "NotWarmedError" and "stride" in bshd["error"]
+    unc = out["uncovered"]
+    assert (
+        unc["type"] == "NotWarmedError" and "does not cover it" in unc["error"] and "q_len 256 vs 128" in unc["error"]
+    )
+    assert "warmup=False" in unc["hint"]
+    assert out["compiled"] == 0 and out["refused"] == 4 and "4 calls refused" in out["summary"]
+    assert out["first_calls"] == [[True, "fwd"], [True, "fwd"]]  # the warm-up's, one per covered signature
+
+
+def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact: Path, tmp_path: Path) -> None:
+    out = scenario("background", smoke_artifact, tmp_path)
+    assert out["errors"] == [] and out["compiled"] == 0
+    assert out["returned"] < out["warmup_seconds"]
+    assert [w for w, _ in out["first_calls"]] == [True, True]
+    assert {t for _, t in out["first_calls"]} == {"kernelpack-warmup"}
+
+
+def test_no_wait_closes_a_cycle_with_a_single_engine_thread(smoke_artifact: Path, tmp_path: Path) -> None:
+    """The checkpoint deadlock, synthetic (see runtime_scenarios.synthetic_engine): against the gate of 58147ec the
+    two threads are still alive after 60 s; now the recompute is served and the compile refused, at once."""
+    out = scenario("synthetic_engine", smoke_artifact, tmp_path)
+    assert out["alive"] == 0, out
+    assert out["b"] == "done" and out["a"] == "NotWarmedError" and out["seconds"] < 30
+
+
+def test_without_warm_up_a_call_in_backward_waits_briefly_then_raises(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KERNELPACK_BACKWARD_WAIT_SECONDS", "2")
+    out = scenario("backward_wait", smoke_artifact, tmp_path)
+    assert out["alive"] == 0 and out["a"] == "compiled" and out["in_backward"] is True
+    assert "inside a backward pass" in out["b"] and "waited 2 s" in out["b"]
+    assert out["seconds"] < 45
 
 
 def test_steady_state_calls_do_not_serialize(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -123,8 +185,8 @@ def test_pin_local_gpu_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 DFLASH = load_recipe(REPO / "recipes" / "dflash-drafter.toml").configs[0]
 
 
-def _signature(device_index: int, **changes: object) -> CallSignature:
-    return dataclasses.replace(DFLASH, **changes).signature(device_index)
+def _signature(device_index: int, graph: Graph = "fwd+bwd", **changes: object) -> CallSignature:
+    return dataclasses.replace(DFLASH, **changes).signature(device_index, graph)
 
 
 def _built_on_device_0(config: Config) -> Manifest:
@@ -143,3 +205,18 @@ def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs()
     other_shape = runtime.refusal(manifest.covers(_signature(3, q_len=2048, kv_len=2048)), "a.kpack")
     assert "q_len 4096 vs 2048" in str(other_shape)
     assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint
+
+
+def test_refusal_of_a_forward_only_call_against_a_training_only_artifact_names_the_graph_fix() -> None:
+    """Reentrant checkpointing runs the forward under no_grad: against `backward = true` (fwd+bwd only) that call is
+    refused, and the hint says to add the forward graph or checkpoint without reentrancy."""
+    training_only = _built_on_device_0(dataclasses.replace(DFLASH, graphs=("fwd+bwd",)))
+    err = runtime.refusal(training_only.covers(_signature(0, "fwd", graphs=("fwd+bwd",))), "a.kpack")
+    assert "graph 'fwd+bwd' vs 'fwd'" in str(err)
+    assert err.hint is not None and '"fwd", "fwd+bwd"' in err.hint and "use_reentrant=False" in err.hint
+    assert training_only.covers(_signature(0, "fwd+bwd", graphs=("fwd+bwd",))).covered
+    both = _built_on_device_0(DFLASH)
+    assert both.covers(_signature(0, "fwd")).covered and both.covers(_signature(0, "fwd+bwd")).covered
+    forward_only = _built_on_device_0(dataclasses.replace(DFLASH, graphs=("fwd",)))
+    err = runtime.refusal(forward_only.covers(_signature(0, "fwd+bwd", graphs=("fwd",))), "a.kpack")
+    assert err.hint is not None and "add the training graph" in err.hint

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernelpack.canonical import make_inputs
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import Config, load_recipe
 from kernelpack.signature import CallParams, CallSignature, mask_key, signature_of
-from kernelpack.workload import make_inputs
 
 ROOT = Path(__file__).resolve().parent.parent
 DFLASH = load_recipe(ROOT / "recipes" / "dflash-drafter.toml").configs[0]
@@ -25,25 +25,28 @@ DFLASH = load_recipe(ROOT / "recipes" / "dflash-drafter.toml").configs[0]
 @pytest.mark.parametrize("grad", [False, True])
 def test_the_runtime_sees_a_canonical_call_as_its_recipe_point(grad: bool) -> None:
     """Config.signature (what an artifact covers) and signature_of (what a call is) agree on the canonical call."""
-    config = dataclasses.replace(load_recipe(ROOT / "recipes" / "smoke-cpu.toml").configs[0], backward=False)
+    config = load_recipe(ROOT / "recipes" / "smoke-cpu.toml").configs[0]
     q, k, v = make_inputs(config, "cpu")
     bm = block_mask_for(config, "cpu")
     for t in (q, k, v):
         t.requires_grad_(grad)
-    seen = signature_of(q, k, bm, None, "default", False)
-    assert seen == dataclasses.replace(config.signature(None), backward=grad)
-    with torch.no_grad():
-        assert not signature_of(q, k, bm, None, "default", False).backward
+    seen = signature_of(q, k, v, bm, None, "default", False)
+    assert seen == config.signature(None, "fwd+bwd" if grad else "fwd")
+    with torch.no_grad():  # reentrant checkpointing's forward: the forward-only graph even on inputs needing grad
+        assert signature_of(q, k, v, bm, None, "default", False).graph == "fwd"
+    v.requires_grad_(True)  # any input needing grad makes it the training graph
+    assert signature_of(q, k.detach(), v, bm, None, "default", False).graph == "fwd+bwd"
 
 
 def test_a_cuda_point_carries_its_device_index_and_a_cpu_point_none() -> None:
-    assert DFLASH.signature(5).device_index == 5 and DFLASH.signature(5).describe().startswith("[cuda:5 ")
-    cpu = dataclasses.replace(DFLASH, device="cpu", backward=False)
-    assert cpu.signature(5).device_index is None
+    assert DFLASH.signature(5, "fwd").device_index == 5
+    assert DFLASH.signature(5, "fwd").describe().startswith("[cuda:5 ")
+    cpu = dataclasses.replace(DFLASH, device="cpu", graphs=("fwd",))
+    assert cpu.signature(5, "fwd").device_index is None
 
 
 def test_describe_and_differences_cover_every_field() -> None:
-    sig = DFLASH.signature(0)
+    sig = DFLASH.signature(0, "fwd+bwd")
     assert sig.describe() == ("[cuda:0 sliding_window(1024) B=1 Hq=32 Hkv=8 seq=4096 D=128 bfloat16 fwd+bwd]"), (
         sig.describe()
     )
@@ -58,9 +61,11 @@ def test_describe_and_differences_cover_every_field() -> None:
     ]
     # every field of a call, and only those, takes part
     names = {f.name for f in dataclasses.fields(CallSignature)}
-    assert names == {f.name for f in dataclasses.fields(CallParams)} | {"mask", "device_index"}
-    assert (
-        DFLASH.describe() == f"{DFLASH.id} [cuda sliding_window(1024) B=1 Hq=32 Hkv=8 seq=4096 D=128 bfloat16 fwd+bwd]"
+    assert names == {f.name for f in dataclasses.fields(CallParams)} | {"mask", "device_index", "graph"}
+    assert sig.differences(dataclasses.replace(sig, graph="fwd")) == [("graph", "fwd+bwd", "fwd")]
+    assert DFLASH.signature(0, "fwd").describe().endswith(" bfloat16 fwd]")
+    assert DFLASH.describe() == (
+        f"{DFLASH.id} [cuda sliding_window(1024) B=1 Hq=32 Hkv=8 seq=4096 D=128 bfloat16 fwd & fwd+bwd]"
     )
 
 

@@ -22,7 +22,7 @@ def cfg(**over: object) -> Config:
         kv_len=24,
         head_dim=8,
         dtype="float32",
-        backward=False,  # the reference computes gradients whenever it is given dout
+        graphs=("fwd",),  # the reference computes gradients whenever it is given dout
     )
     base.update(over)
     return Config(**base)  # type: ignore[arg-type]

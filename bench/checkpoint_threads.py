@@ -1,0 +1,213 @@
+"""Threads x gradient checkpointing after ``activate()``: the seeds' drafter setting (issue 12's proof).
+
+Each run is a fresh process (``--child``) bounded by ``--timeout`` seconds; the parent runs ``--runs`` of each mode
+in a row and writes one JSON with every run and the medians:
+
+  none          THREADS threads, each a block that calls kernelpack.flex_attention, no checkpointing
+  none-nowarm   the same after ``activate(warmup=False)``: what the warm-up saves at the first step
+  reentrant     THREADS threads, the block under ``checkpoint(..., use_reentrant=True)``
+  nonreentrant  THREADS threads, the block under ``checkpoint(..., use_reentrant=False)``
+  both          one thread, each config under reentrant and then non-reentrant checkpointing
+
+A step runs every config of the artifact once (each thread starts at another config), forward + backward, with the
+BlockMask rebuilt every step as the drafters do. The clock starts after ``import torch`` and CUDA init:
+``activate_s`` is install + warm-up, ``first_step_s`` the first step of all threads (wall), ``second_step_s`` the next.
+During the steps, torch's counters must show no compile at all: no FX-graph or AOTAutograd miss, no Triton kernel
+and no Dynamo frame compiled (a Dynamo re-trace of flex would count there); ``refused`` lists calls the guard refused.
+
+    python bench/checkpoint_threads.py --artifact A.kpack --modes reentrant,nonreentrant --runs 10 --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+MODES = ("none", "none-nowarm", "reentrant", "nonreentrant", "both")
+
+
+def child(artifact: str, mode: str, threads: int, cache: str) -> dict[str, Any]:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    torch.cuda.init()
+    from kernelpack import evidence, runtime
+    from kernelpack.artifact import read_manifest
+    from kernelpack.masks import block_mask_for
+
+    configs = [c.config for c in read_manifest(artifact).configs if c.config.backward]
+    t0 = time.perf_counter()
+    activation = runtime.activate(artifact, cache_dir=cache, warmup=mode != "none-nowarm")
+    activate_s = time.perf_counter() - t0
+    device = "cuda:0"
+
+    def inputs(c: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device="cpu").manual_seed(0)
+
+        def rand(h: int, n: int) -> torch.Tensor:
+            return torch.randn(c.batch, h, n, c.head_dim, generator=g).to(device, getattr(torch, c.dtype))
+
+        scale = torch.ones(c.head_dim, device=device, dtype=getattr(torch, c.dtype), requires_grad=True)
+        return rand(c.q_heads, c.q_len).requires_grad_(), rand(c.kv_heads, c.kv_len).requires_grad_(), scale
+
+    def block(xq: torch.Tensor, xkv: torch.Tensor, scale: torch.Tensor, bm: Any, gqa: bool) -> torch.Tensor:
+        # elementwise "projections" keep q/k/v contiguous [B, H, S, D]: the canonical layout this artifact serves
+        return runtime.flex_attention(xq * scale, xkv * scale, xkv + 0, block_mask=bm, enable_gqa=gqa)
+
+    def step_one(c: Any, reentrant: bool | None) -> None:
+        xq, xkv, scale = inputs(c)
+        bm = block_mask_for(c, device)  # rebuilt every step, as the drafters do
+        if reentrant is None:
+            out = block(xq, xkv, scale, bm, c.enable_gqa)
+        else:
+            out = checkpoint(block, xq, xkv, scale, bm, c.enable_gqa, use_reentrant=reentrant)
+        out.float().square().mean().backward()
+
+    errors: list[str] = []
+
+    def worker(i: int, plan: list[tuple[Any, bool | None]]) -> None:
+        try:
+            for c, reentrant in plan[i % len(plan) :] + plan[: i % len(plan)]:
+                step_one(c, reentrant)
+            torch.cuda.synchronize()
+        except BaseException as e:  # the benchmark records what a thread raised
+            errors.append(f"{type(e).__name__}: {e}"[:2000])
+
+    if mode == "both":
+        n, plan = 1, [(c, r) for c in configs for r in (True, False)]
+    else:
+        n = threads
+        plan = [(c, {"reentrant": True, "nonreentrant": False}.get(mode)) for c in configs]
+
+    def step() -> tuple[float, int]:
+        ts = [threading.Thread(target=worker, args=(i, plan), name=f"drafter-{i}", daemon=True) for i in range(n)]
+        start = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - start, sum(t.is_alive() for t in ts)
+
+    from torch._dynamo.utils import counters
+
+    frames_before = counters["frames"]["ok"]
+    before = evidence.snapshot()
+    first, alive = step()
+    second, _ = step()
+    during = evidence.delta(before, evidence.snapshot())
+    rep = runtime.report()
+    return {
+        "mode": mode,
+        "threads": n,
+        "configs": len(configs),
+        "activate_s": activate_s,
+        "warmup_s": rep.warmup_seconds,
+        "install_s": activation.install.seconds if activation.install is not None else None,
+        "warmup_calls": sum(c.warmup for c in rep.first_calls),
+        "warmup_call_s": [round(c.seconds, 3) for c in rep.first_calls if c.warmup],
+        "warmup_compiled": [c.compiled for c in rep.first_calls if c.warmup and c.compiled],
+        "first_step_s": first,
+        "second_step_s": second,
+        "alive": alive,
+        "errors": errors,
+        "refused": rep.to_dict()["refused"],
+        "dynamo_frames_compiled": counters["frames"]["ok"] - frames_before,
+        "during_steps": {k: v for k, v in during.items() if v},
+        "compiled_during_steps": evidence.compiled_anything(during),
+        "activation": activation.describe(),
+        "torch": torch.__version__,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", required=True)
+    p.add_argument("--modes", default="none,none-nowarm,reentrant,nonreentrant,both")
+    p.add_argument("--runs", type=int, default=10, help="fresh processes per mode")
+    p.add_argument("--runs-for", default="", help="per-mode override, e.g. none=3,both=3")
+    p.add_argument("--threads", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--out", help="the JSON to write (required except in --child)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        try:
+            result = child(args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"])
+        except BaseException as e:
+            result = {"mode": args.child, "crash": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        print(json.dumps(result), flush=True)
+        os._exit(0)  # a stuck thread must not keep the process alive
+    if not args.out:
+        p.error("the following arguments are required: --out")
+    runs_for = dict(kv.split("=") for kv in args.runs_for.split(",") if kv)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for mode in args.modes.split(","):
+        assert mode in MODES, mode
+        results[mode] = []
+        for i in range(int(runs_for.get(mode, args.runs))):
+            with tempfile.TemporaryDirectory(prefix="kp-ckpt-") as tmp:
+                env = dict(os.environ, KP_BENCH_CACHE=str(Path(tmp, "cache")))
+                cmd = [sys.executable, __file__, "--artifact", args.artifact, "--threads", str(args.threads)]
+                start = time.perf_counter()
+                try:
+                    proc = subprocess.run(
+                        [*cmd, "--child", mode],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=args.timeout,
+                        check=False,
+                    )
+                    lines = proc.stdout.strip().splitlines()
+                    r = json.loads(lines[-1]) if lines else {"crash": f"no output, rc {proc.returncode}"}
+                    if "crash" in r or r.get("errors"):
+                        r["stderr_tail"] = proc.stderr[-3000:]
+                except subprocess.TimeoutExpired as e:
+                    err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+                    r = {"mode": mode, "timeout": args.timeout, "stderr_tail": err[-3000:]}
+                r["process_s"] = time.perf_counter() - start
+            results[mode].append(r)
+            ok = "timeout" not in r and "crash" not in r and not r.get("errors") and not r.get("refused")
+            print(
+                f"{mode:13s} run {i + 1}: {'ok  ' if ok else 'FAIL'} activate {r.get('activate_s', 0):6.2f} s  "
+                f"first step {r.get('first_step_s', 0):6.2f} s  second {r.get('second_step_s', 0):5.2f} s  "
+                f"compiled {r.get('compiled_during_steps')} frames {r.get('dynamo_frames_compiled')}"
+                + ("" if ok else f"  {r.get('crash') or r.get('errors') or r.get('refused') or 'TIMEOUT'}"),
+                flush=True,
+            )
+    summary = {}
+    for mode, rs in results.items():
+        good = [r for r in rs if "first_step_s" in r]
+
+        def med(key: str, good: list[dict[str, Any]] = good) -> float | None:
+            vals = [r[key] for r in good if r.get(key) is not None]
+            return statistics.median(vals) if vals else None
+
+        summary[mode] = {
+            "runs": len(rs),
+            "completed": sum(1 for r in good if not r["errors"] and not r["alive"]),
+            "timeouts": sum("timeout" in r for r in rs),
+            "with_compiles": sum(bool(r["compiled_during_steps"] or r["dynamo_frames_compiled"]) for r in good),
+            "refused": sum(len(r["refused"]) for r in good),
+            "activate_s": med("activate_s"),
+            "warmup_s": med("warmup_s"),
+            "first_step_s": med("first_step_s"),
+            "second_step_s": med("second_step_s"),
+        }
+        print(mode, json.dumps(summary[mode]))
+    Path(args.out).write_text(json.dumps({"summary": summary, "runs": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

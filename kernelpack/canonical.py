@@ -1,0 +1,84 @@
+"""The canonical call of a recipe point, per graph: what the builder compiles, verify proves and ``activate()`` warms.
+
+One definition for all three, so that what the runtime warms is exactly what was built:
+
+- ``"fwd"``: inputs that do not require grad, called under ``torch.no_grad()`` (inference, and the forward of
+  reentrant gradient checkpointing). Dynamo guards on grad mode, so the same call with grad mode on would be another
+  Dynamo entry; the guarded entry makes every forward-only call under no_grad instead
+  (:func:`kernelpack.runtime.flex_attention`), which changes nothing for a call no input of which requires grad.
+- ``"fwd+bwd"``: inputs that require grad, forward then backward (``torch.autograd.grad``), so that the compiled
+  backward is loaded too. The backward runs in the calling thread on CPU, and on the autograd engine's device thread
+  on CUDA, which the warm-up waits for before training threads can use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from .recipe import Config
+    from .signature import Graph
+
+
+def make_inputs(
+    config: Config, device: Any, graph: Graph | None = None, *, random: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v of the canonical call, seeded by the config id; they require grad for the ``"fwd+bwd"`` graph (the
+    default when the config builds it). ``random=False``: zeros made on the device, for a warm-up that checks no
+    values (drawing a 16k-long q on the CPU costs more than its warm call)."""
+    import torch
+
+    if graph is None:
+        graph = "fwd+bwd" if config.backward else "fwd"
+    seed = int(hashlib.sha256(config.id.encode()).hexdigest()[:8], 16)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dtype = getattr(torch, config.dtype)
+
+    def rand(heads: int, length: int) -> torch.Tensor:
+        shape = (config.batch, heads, length, config.head_dim)
+        if random:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        else:
+            t = torch.zeros(shape, device=device, dtype=dtype)
+        return t.requires_grad_(graph == "fwd+bwd")
+
+    q = rand(config.q_heads, config.q_len)
+    return q, rand(config.kv_heads, config.kv_len), rand(config.kv_heads, config.kv_len)
+
+
+def grad_output(q: torch.Tensor, *, random: bool = True) -> torch.Tensor:
+    """The backward's ``dout``, drawn on the CPU with a fixed seed (a 16k-long randn costs more than a warm call: draw
+    it before starting a clock); ``random=False``: ones on the device."""
+    import torch
+
+    if not random:
+        return torch.ones(q.shape, device=q.device, dtype=q.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    return torch.randn(q.shape, generator=gen, dtype=torch.float32).to(device=q.device, dtype=q.dtype)
+
+
+def call(
+    fn: Callable[..., Any],
+    config: Config,
+    graph: Graph,
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    block_mask: Any,
+    dout: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Every canonical call of ``graph`` through ``fn``: the output, and for ``"fwd+bwd"`` the gradients of q, k, v
+    (``dout`` is required then)."""
+    import torch
+
+    q, k, v = inputs
+    kernel_options = dict(config.kernel_options) or None
+    with torch.set_grad_enabled(graph == "fwd+bwd"):
+        out = fn(q, k, v, block_mask=block_mask, enable_gqa=config.enable_gqa, kernel_options=kernel_options)
+    if graph == "fwd":
+        return out, ()
+    if dout is None:
+        raise ValueError("the fwd+bwd canonical call needs dout")
+    return out, torch.autograd.grad(out, (q, k, v), dout)
