@@ -165,11 +165,6 @@ class Coverage:
             return self.nearest[0].differences[0]
         return None
 
-    @property
-    def device_only(self) -> bool:
-        """The config is built, but only for other device indices: the fix is pinning or --devices, not the recipe."""
-        return self.only is not None and self.only[0] == "device_index"
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Manifest:

@@ -5,10 +5,11 @@ One definition for all three, so that what the runtime warms is exactly what was
 - ``"fwd"``: inputs that do not require grad, called under ``torch.no_grad()`` (inference, and the forward of
   reentrant gradient checkpointing). Dynamo guards on grad mode, so the same call with grad mode on would be another
   Dynamo entry; the guarded entry makes every forward-only call under no_grad instead
-  (:func:`kernelpack.runtime.flex_attention`), which changes nothing for a call no input of which requires grad.
+  (:func:`kernelpack.runtime.flex_attention`), on q, k, v detached: the same result for a call that autograd does
+  not record, whatever its grad mode and its inputs' ``requires_grad``.
 - ``"fwd+bwd"``: inputs that require grad, forward then backward (``torch.autograd.grad``), so that the compiled
-  backward is loaded too. The backward runs in the calling thread on CPU, and on the autograd engine's device thread
-  on CUDA, which the warm-up waits for before training threads can use it.
+  backward is loaded too (CUDA only: compiled flex has no backward on CPU). The backward runs on the autograd
+  engine's device thread, which the warm-up waits for before training threads can use it.
 """
 
 from __future__ import annotations
@@ -73,12 +74,26 @@ def call(
     (``dout`` is required then)."""
     import torch
 
-    q, k, v = inputs
-    kernel_options = dict(config.kernel_options) or None
     with torch.set_grad_enabled(graph == "fwd+bwd"):
-        out = fn(q, k, v, block_mask=block_mask, enable_gqa=config.enable_gqa, kernel_options=kernel_options)
+        out = fn(**arguments(config, inputs, block_mask))
     if graph == "fwd":
         return out, ()
     if dout is None:
         raise ValueError("the fwd+bwd canonical call needs dout")
-    return out, torch.autograd.grad(out, (q, k, v), dout)
+    return out, torch.autograd.grad(out, inputs, dout)
+
+
+def arguments(
+    config: Config, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_mask: Any
+) -> dict[str, Any]:
+    """The canonical call's arguments, by flex_attention's parameter names (as Dynamo's guards see them); it runs
+    with grad mode on exactly for the ``"fwd+bwd"`` graph."""
+    q, k, v = inputs
+    return {
+        "query": q,
+        "key": k,
+        "value": v,
+        "block_mask": block_mask,
+        "enable_gqa": config.enable_gqa,
+        "kernel_options": dict(config.kernel_options) or None,
+    }

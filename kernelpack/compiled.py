@@ -25,7 +25,7 @@ import contextlib
 import inspect
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from . import settings
@@ -80,28 +80,27 @@ def frame_locals(arguments: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def dynamo_entries(mode: str = "default", dynamic: bool = False) -> list[Any] | None:
-    """Dynamo's cache entries for flex_attention compiled with these options (most recent first), or None where this
-    torch does not expose them (``torch._C._dynamo.eval_frame._debug_get_cache_entry_list``, torch >= 2.4).
+    """Dynamo's cache entries that a call through :func:`compiled_flex_attention` with these options may use, most
+    recent first; None where this torch does not expose them (``_debug_get_cache_entry_list``, torch >= 2.4).
 
     Dynamo keeps one list per code object, so the entries of the user's own ``torch.compile(flex_attention)`` are
-    here too; an entry serves a call only if its backend equals the caller's (an inductor wrapper with the same mode
-    and options), as in Dynamo's own lookup."""
+    there too. Dynamo's lookup skips an entry whose backend differs from the caller's, so only entries whose backend
+    equals ours (an inductor wrapper with the same mode and options, compared by value as Dynamo does) are kept."""
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except ImportError:  # pragma: no cover - torch < 2.4
         return None
-    entries = list(_debug_get_cache_entry_list(_eager_flex().__code__))
     backend = _backend(mode, dynamic)
     if backend is None:
-        return entries
-    return [e for e in entries if type(e.backend) is not type(backend) or e.backend == backend]
+        return None
+    return [e for e in _debug_get_cache_entry_list(_eager_flex().__code__) if e.backend == backend]
 
 
 _backends: dict[tuple[str, bool], Any] = {}
 
 
 def _backend(mode: str, dynamic: bool) -> Any:
-    """The backend torch.compile gives these options (compared by value, as Dynamo does); None if unknown."""
+    """The backend torch.compile gives these options; None if this torch's private wrapper is not there."""
     key = (mode, dynamic)
     if key not in _backends:
         try:
@@ -113,17 +112,32 @@ def _backend(mode: str, dynamic: bool) -> Any:
     return _backends[key]
 
 
-def dynamo_hit(arguments: Mapping[str, Any], mode: str = "default", dynamic: bool = False) -> bool | None:
-    """Whether a call with these arguments would be served by a graph Dynamo already has (True) or be traced (False),
-    by running Dynamo's own guards on the frame the call would make. None where torch cannot tell (old torch).
+def serving_entry(arguments: Mapping[str, Any], mode: str = "default", dynamic: bool = False) -> Any:
+    """The guard manager of the entry Dynamo would serve this call from (the first of ours whose guards pass, as in
+    Dynamo's lookup), or None: it would trace. Ask in the thread that makes the call: guards read its grad mode and
+    autocast state. Raises RuntimeError where torch cannot tell."""
+    entries = dynamo_entries(mode, dynamic)
+    if entries is None:
+        raise RuntimeError("this torch does not expose Dynamo's cache entries")
+    f_locals = frame_locals(arguments)
+    return next((e.guard_manager for e in entries if e.guard_manager.check(f_locals)), None)
 
-    Guards read the calling thread's grad mode and autocast state, so ask in the thread that will make the call.
-    Costs ~20 us for a few dozen entries (CPU, torch 2.13): each failing entry stops at its first failing guard."""
+
+def dynamo_hit(
+    arguments: Mapping[str, Any], served_by: Collection[Any], mode: str = "default", dynamic: bool = False
+) -> bool | None:
+    """Whether a call with these arguments would be served from one of the entries ``served_by`` (guard managers
+    recorded by :func:`serving_entry`) that Dynamo still has, by running Dynamo's own guards on the frame the call
+    would make. Only those entries count: an entry someone else compiled may be a graph the artifact does not cover.
+    None where torch cannot tell (old torch).
+
+    Costs ~20 us for a dozen entries (CPU, torch 2.13): each failing entry stops at its first failing guard."""
     entries = dynamo_entries(mode, dynamic)
     if entries is None:
         return None
     f_locals = frame_locals(arguments)
-    return any(e.guard_manager.check(f_locals) for e in entries)
+    # a recorded entry Dynamo no longer has (torch._dynamo.reset()) would not serve the call: Dynamo would trace
+    return any(e.guard_manager in served_by and e.guard_manager.check(f_locals) for e in entries)
 
 
 def guard_failure(guard_manager: Any, arguments: Mapping[str, Any]) -> str:
@@ -190,7 +204,8 @@ def apply_thread_config() -> None:
 class Gate:
     """Many steady-state calls at once, or one first call alone (a writer-preferring readers-writer lock).
 
-    Waits take a ``timeout`` (seconds, None: forever) and raise :class:`TimeoutError` when it passes."""
+    Waits take a ``timeout`` (seconds, None: forever; kernelpack bounds them inside a backward pass) and raise
+    :class:`KernelpackError` when it passes."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -200,7 +215,13 @@ class Gate:
 
     def _wait(self, blocked: Callable[[], bool], timeout: float | None, what: str) -> None:
         if not self._cond.wait_for(lambda: not blocked(), timeout):
-            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            raise KernelpackError(
+                f"a kernelpack call inside a backward pass (a checkpoint recompute?) waited {timeout:.0f} s for {what},"
+                " which may be waiting for this thread (the autograd engine runs backward on one thread per device): "
+                "refused instead of deadlocking",
+                hint="activate() an artifact with warm-up (the default) so that nothing compiles during training; or "
+                "make every call once before starting threads; or raise KERNELPACK_BACKWARD_WAIT_SECONDS",
+            )
 
     @contextlib.contextmanager
     def shared(self, timeout: float | None = None) -> Iterator[None]:
@@ -237,8 +258,9 @@ gate = Gate()
 
 
 def outside_first_calls() -> contextlib.AbstractContextManager[None]:
-    """Run torch tracing work (e.g. create_block_mask) alongside steady-state calls but never during a first call."""
-    return gate.shared()
+    """Run torch tracing work (e.g. create_block_mask) alongside steady-state calls but never during a first call;
+    inside a backward pass, wait only KERNELPACK_BACKWARD_WAIT_SECONDS (the first call may be waiting for us)."""
+    return gate.shared(settings.backward_wait_seconds() if in_backward() else None)
 
 
 def wait_for_foreign_fx_trace(limit: float | None = None) -> None:
@@ -258,6 +280,10 @@ def wait_for_foreign_fx_trace(limit: float | None = None) -> None:
                 f"another thread has been FX-tracing for over {limit:.0f} s; a compiled call now would run "
                 "flex_attention uncompiled",
                 hint="do not FX-trace (torch.fx.symbolic_trace, make_fx) in parallel with the first steps, or raise "
-                "KERNELPACK_FX_WAIT_SECONDS",
+                + (
+                    "KERNELPACK_BACKWARD_WAIT_SECONDS (this call is inside a backward pass)"
+                    if in_backward()
+                    else "KERNELPACK_FX_WAIT_SECONDS"
+                ),
             )
         time.sleep(0.001)

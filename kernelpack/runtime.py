@@ -33,25 +33,26 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from . import evidence, settings
 from .artifact import BuiltConfig, Coverage, Manifest
+from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
 from .canonical import grad_output, make_inputs
 from .compiled import (
     apply_thread_config,
     compiled_flex_attention,
-    dynamo_entries,
     dynamo_hit,
     ensure_recompile_limit,
     gate,
     guard_failure,
     in_backward,
     recompile_floor_for,
+    serving_entry,
     wait_for_foreign_fx_trace,
 )
 from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
@@ -204,10 +205,10 @@ class Activation:
 class Warmup:
     """activate()'s warm-up: the first call of every covered signature this process can make, before training.
 
-    After it, a covered call is served by a graph Dynamo already has (checked with Dynamo's own guards,
-    :func:`kernelpack.compiled.dynamo_hit`) and nothing traces during training; a call that would trace is refused
-    (:class:`NotWarmedError`). Run in the activating thread, or in a background thread that every guarded call waits
-    for; never on an autograd engine thread."""
+    After it, a call served by one of the Dynamo entries the warm-up's calls were served by (checked with Dynamo's
+    own guards, :func:`kernelpack.compiled.dynamo_hit`) runs at once, and nothing traces during training; any other
+    call is refused (:class:`NotWarmedError`). Run in the activating thread, or in a background thread that every
+    guarded call waits for; never on an autograd engine thread."""
 
     def __init__(self, background: bool) -> None:
         self.background = background
@@ -216,7 +217,8 @@ class Warmup:
         self.seconds = 0.0
         self.signatures: set[CallSignature] = set()
         self.skipped: dict[CallSignature, str] = {}  # covered but not warmed here, and why
-        self.guards: dict[CallSignature, list[Any]] = {}  # Dynamo guard managers its calls created
+        self.entries: dict[CallSignature, Any] = {}  # the Dynamo entry (guard manager) that served each warm call
+        self.served_by: frozenset[Any] = frozenset()  # those entries: what may serve a call during training
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -228,16 +230,18 @@ class Warmup:
     def wait(self) -> None:
         """Until the warm-up is done (bounded); raises if it failed."""
         if not self.done.is_set():
-            limit = settings.backward_wait_seconds() if in_backward() else settings.warmup_wait_seconds()
+            inside = in_backward()
+            limit = settings.backward_wait_seconds() if inside else settings.warmup_wait_seconds()
             if not self.done.wait(limit):
+                variable = "KERNELPACK_BACKWARD_WAIT_SECONDS" if inside else "KERNELPACK_WARMUP_WAIT_SECONDS"
                 raise KernelpackError(
                     f"kernelpack's background warm-up has not finished after {limit:.0f} s",
-                    hint="raise KERNELPACK_WARMUP_WAIT_SECONDS, or activate(warmup=True) to warm before returning",
+                    hint=f"raise {variable}, or activate(warmup=True) to warm before activate() returns",
                 )
         if self.error is not None:
             raise KernelpackError(
                 f"activate()'s warm-up failed: {type(self.error).__name__}: {self.error}",
-                hint="run activate(warmup=True) in the main thread to see the full error",
+                hint="the warm-up's own error is chained to this one; activate(warmup=False) skips the warm-up",
             ) from self.error
 
 
@@ -277,17 +281,15 @@ def activate(
     ``warmup`` (with an artifact): makes the first call of every covered signature on every visible device of the
     artifact now (``True``), or in a background thread that the first guarded call waits for (``"background"``).
     After it, no flex call traces during training: a call that would (not covered, or not as warmed: another mask
-    function, other strides) raises :class:`NotWarmedError`, in non-strict mode too. ``False``: first calls trace
-    at the gate during the job, as before; only safe where no other thread runs backward meanwhile (no threads, or no
-    gradient checkpointing), and non-strict mode then compiles uncovered calls with a warning.
+    function, other strides, autocast) raises :class:`NotWarmedError`, in non-strict mode too. ``False``: first
+    calls trace at the gate during the job, as before; only safe where no other thread runs backward meanwhile (no
+    threads, or no gradient checkpointing), and non-strict mode then compiles uncovered calls with a warning.
     """
     evidence.install_hooks(refuse_dense=True)
     if warmup not in (True, False, "background"):
         raise KernelpackError(f"activate(warmup={warmup!r})", hint='warmup is True, False or "background"')
     if source is None and registry is None:
         source = settings.default_artifact()
-    global _state
-    _state = _State()
     if source is None and registry is None:
         if strict:
             raise KernelpackError(
@@ -307,8 +309,8 @@ def activate(
         )
         warm = Warmup(background=warmup == "background") if warmup else None
         activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
-    state = _state
-    state.active = activation
+    global _state
+    _state = state = _State(active=activation)  # only now: a failed activate() leaves the previous one in force
     if activation.warmup is not None:
         if activation.warmup.background:
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
@@ -327,7 +329,7 @@ def deactivate() -> None:
 
 def _warm_up(state: _State, activation: Activation) -> None:
     """The canonical calls (:mod:`kernelpack.canonical`) of every covered signature on the visible devices, each
-    alone at the gate, recorded as first calls with the Dynamo entries they made."""
+    alone at the gate, recorded as first calls with the Dynamo entries that served them."""
     warm, manifest = activation.warmup, activation.manifest
     assert warm is not None and manifest is not None
     start = time.perf_counter()
@@ -338,7 +340,6 @@ def _warm_up(state: _State, activation: Activation) -> None:
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for built in manifest.configs:
             config = built.config
-            fn = compiled_flex_attention(config.mode, config.dynamic)
             for index in built.devices:
                 sigs = built.signatures(index)
                 if config.device == "cuda" and index >= visible:
@@ -354,7 +355,8 @@ def _warm_up(state: _State, activation: Activation) -> None:
                         )
                     continue
                 for sig in sigs:
-                    _warm_one(state, warm, fn, built, sig, device, bm)
+                    _warm_one(state, warm, built, sig, device, bm)
+        warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
     except BaseException as e:
         warm.error = e
         if not warm.background:
@@ -366,38 +368,39 @@ def _warm_up(state: _State, activation: Activation) -> None:
         log.info("warm-up skipped %d signatures: %s", len(warm.skipped), sorted(set(warm.skipped.values())))
     compiled = [c for c in state.first_calls if c.warmup and c.compiled]
     if compiled:
+        totals: dict[str, int] = {}
+        for c in compiled:
+            for name, n in c.counters.items():
+                totals[name] = totals.get(name, 0) + n
         warnings.warn(
             f"kernelpack: activate()'s warm-up compiled {len(compiled)} of {len(warm.signatures)} signatures "
-            f"({', '.join(sorted({r for c in compiled for r in c.compiled}))}): {activation.artifact} does not serve "
-            "this environment fully; kernelpack verify says why",
+            f"({', '.join(evidence.compiled_anything(totals))}): {activation.artifact} does not serve this "
+            "environment fully; kernelpack verify says why",
             KernelpackWarning,
             stacklevel=3,
         )
 
 
-def _warm_one(
-    state: _State, warm: Warmup, fn: Callable[..., Any], built: BuiltConfig, sig: CallSignature, device: str, bm: Any
-) -> None:
+def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignature, device: str, bm: Any) -> None:
     import torch
 
     config = built.config
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
-    known = {id(e.guard_manager) for e in dynamo_entries(config.mode, config.dynamic) or ()}
     with gate.exclusive():
         before = evidence.snapshot()
         t0 = time.perf_counter()
-        canonical_call(fn, config, sig.graph, inputs, bm, dout)
+        canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
         if config.device == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
         counters = evidence.delta(before, evidence.snapshot())
-    entries = dynamo_entries(config.mode, config.dynamic) or ()
-    warm.guards[sig] = [e.guard_manager for e in entries if id(e.guard_manager) not in known]
+        with contextlib.suppress(RuntimeError), torch.set_grad_enabled(sig.graph == "fwd+bwd"):
+            # the entry Dynamo now serves this call from (None: none passes, it would trace again)
+            warm.entries[sig] = serving_entry(canonical_arguments(config, inputs, bm), config.mode, config.dynamic)
     warm.signatures.add(sig)
     with state.lock:
         state.first_calls.append(FirstCall(sig, config.id, threading.current_thread().name, seconds, counters, True))
-        state.ready.add(sig)
 
 
 # ------------------------------------------------------------------------------------------------ the guard
@@ -449,13 +452,20 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
         return fn(**arguments)
-    forward_only = graph_of(query, arguments["key"], arguments["value"]) == "fwd"
-    if forward_only and arguments["score_mod"] is None and torch.is_grad_enabled():
-        # No input requires grad: the same call under no_grad, the grad mode of the canonical forward-only call
-        # (Dynamo guards on grad mode; one Dynamo entry per forward-only signature, warmed once). Not with a
-        # score_mod, which may close over tensors that require grad.
+    qkv = (query, arguments["key"], arguments["value"])
+    if (
+        graph_of(*qkv) == "fwd"
+        and arguments["score_mod"] is None
+        and (torch.is_grad_enabled() or any(t.requires_grad for t in qkv))
+    ):
+        # A call autograd does not record (grad mode off, or no input requires grad): the same call on detached
+        # inputs under no_grad, as the canonical forward-only call is made. Dynamo guards on grad mode and on each
+        # input's requires_grad, so this is what lets one warmed entry serve inference, a forward with grad mode on,
+        # and reentrant checkpointing's forward (no_grad on inputs that require grad). Not with a score_mod, which
+        # may close over tensors that require grad.
+        detached = dict(arguments, query=query.detach(), key=qkv[1].detach(), value=qkv[2].detach())
         with torch.no_grad():
-            return _guarded_call(mode, dynamic, arguments)
+            return _guarded_call(mode, dynamic, detached)
     state = _state
     active = state.active
     if active is not None and active.warmup is not None:
@@ -484,19 +494,21 @@ def _serve(
     # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
-    hit = dynamo_hit(arguments, mode, dynamic)
-    if hit is None:
+    hit = dynamo_hit(arguments, warm.served_by, mode, dynamic)
+    if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
         hit = _signature(mode, dynamic, arguments) in warm.signatures
     if hit:
         return fn(**arguments)
     sig = _signature(mode, dynamic, arguments)
     coverage = active.covers(sig)
+    error: KernelpackError
     if coverage.entry is None and active.strict:
-        error: KernelpackError = refusal(coverage, active.artifact)
+        error, why = refusal(coverage, active.artifact), "not covered by the artifact (strict mode)"
     else:
         error = _not_warmed(warm, coverage, arguments)
+        why = error.reason.splitlines()[0]
     with state.lock:
-        state.refused.append((sig, str(error).splitlines()[-1]))
+        state.refused.append((sig, why))
     raise error
 
 
@@ -518,16 +530,24 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
     elif sig in warm.skipped:
         reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[sig]}"
     else:
-        failed = [f for gm in warm.guards.get(sig, ()) if (f := guard_failure(gm, arguments))]
+        entry = warm.entries.get(sig)
+        failed = guard_failure(entry, arguments) if entry is not None else ""
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
-            "Dynamo guards on: " + (failed[0] if failed else "(torch does not say which guard)")
+            "Dynamo guards on: " + (failed or "(torch does not say which guard)")
         )
-        if failed and "mask_mod" in failed[0]:
+        if "mask_mod" in failed:
             hint = (
                 "build the BlockMask from the recipe's mask function (kernelpack.masks.sliding_window(W), or the "
                 "recipe's factory): another function object with other code is another Dynamo entry, even when it "
                 "computes the same"
+            )
+        elif "GLOBAL_STATE" in failed or "dispatch" in failed.lower():
+            hint = (
+                "this call runs under other global torch state than the warm-up (autocast, deterministic "
+                "algorithms, inference_mode, ...), which Dynamo guards on: make the flex call outside autocast and "
+                "inference_mode (its inputs are already in the recipe's dtype), with the settings in force at "
+                "activate()"
             )
     return NotWarmedError(sig.describe(), reason, hint=hint)
 
@@ -548,10 +568,10 @@ def _first_call_at_the_gate(
     sig = _signature(mode, dynamic, arguments)
     limit = settings.backward_wait_seconds() if in_backward() else None
     if sig in state.ready:
-        with _at_gate(gate.shared, limit, sig):
+        with gate.shared(limit):
             wait_for_foreign_fx_trace(limit)
             return fn(**arguments)
-    with _at_gate(gate.exclusive, limit, sig):
+    with gate.exclusive(limit):
         if sig in state.ready:  # another thread made this first call while we waited
             return fn(**arguments)
         config_id = None
@@ -584,24 +604,6 @@ def _first_call_at_the_gate(
         )
         state.ready.add(sig)
         return out
-
-
-@contextlib.contextmanager
-def _at_gate(
-    enter: Callable[[float | None], contextlib.AbstractContextManager[None]], limit: float | None, sig: CallSignature
-) -> Iterator[None]:
-    with contextlib.ExitStack() as stack:
-        try:
-            stack.enter_context(enter(limit))
-        except TimeoutError:
-            raise KernelpackError(
-                f"a flex_attention call inside a backward pass (a checkpoint recompute?) waited {limit:.0f} s for "
-                "another thread's first call, which may be waiting for this thread (the autograd engine runs "
-                f"backward on one thread per device): refused instead of deadlocking. The call: {sig.describe()}",
-                hint="activate() an artifact with warm-up (the default) so that nothing compiles during training; or "
-                "make every call once before starting threads; or raise KERNELPACK_BACKWARD_WAIT_SECONDS",
-            ) from None
-        yield
 
 
 def refusal(coverage: Coverage, artifact: str | None) -> NotPrecompiledError:

@@ -7,7 +7,7 @@ Builder and verifier both call :func:`run_config`, so what is verified is exactl
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .canonical import call as canonical_call
@@ -31,7 +31,6 @@ class CallResult:
     seconds: float  # wall time of the first canonical calls of every graph built, synchronized
     errors: dict[str, float]  # relative error per graph and output/gradient, "fwd+bwd:dq" (empty when not checked)
     mask_key: str  # what the call's mask_mod computes (signature.mask_key): the manifest records it
-    seconds_by_graph: dict[str, float] = field(default_factory=dict)
 
 
 def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult:
@@ -41,7 +40,7 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
     fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else guarded(config.mode, config.dynamic)
     bm = block_mask_for(config, device)
     errors: dict[str, float] = {}
-    by_graph: dict[str, float] = {}
+    seconds = 0.0
     for graph in config.graphs:
         inputs = make_inputs(config, device, graph)
         dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None  # drawn before the clock starts
@@ -49,14 +48,12 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         start = time.perf_counter()
         out, grads = canonical_call(fn, config, graph, inputs, bm, dout)
         _sync(device)
-        by_graph[graph] = time.perf_counter() - start
+        seconds += time.perf_counter() - start
         if check:
             ref = reference_attention(config, *inputs, dout)
             for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, strict=False):
                 errors[f"{graph}:{name}"] = _rel_error(g, r)
-    return CallResult(
-        seconds=sum(by_graph.values()), errors=errors, mask_key=mask_key(bm.mask_mod), seconds_by_graph=by_graph
-    )
+    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod))
 
 
 def check_errors(config: Config, errors: dict[str, float]) -> str | None:

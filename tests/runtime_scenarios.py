@@ -5,6 +5,7 @@ python tests/runtime_scenarios.py SCENARIO ARTIFACT CACHE_DIR   -> prints one JS
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -179,7 +180,7 @@ def foreign_fx_trace(artifact: str, cache: str) -> dict[str, Any]:
 def overlap(artifact: str, cache: str) -> dict[str, Any]:
     """Without warm-up, steady-state calls from 4 threads hold the gate together: it does not serialize them. A
     monitor samples how many calls are inside the gate at once (times measured around the call would include waiting
-    for the gate). (With warm-up, served calls do not enter the gate at all: see `served_calls_skip_the_gate`.)"""
+    for the gate). With warm-up, served calls do not enter the gate at all."""
     runtime.activate(artifact, cache_dir=cache, warmup=False)
     big = configs(artifact)[0]
     call(big)
@@ -269,10 +270,30 @@ def not_warmed(artifact: str, cache: str) -> dict[str, Any]:
     attempt("transposed", lambda: kernelpack.flex_attention(*bshd, block_mask=block_mask_for(c, "cpu")))
     uncovered = Config.from_dict({**c.to_dict(), "q_len": 128, "kv_len": 128})
     attempt("uncovered", lambda: call(uncovered))
+    # forward-only calls autograd does not record are served whatever their grad mode and requires_grad: inference
+    # with grad mode on, and reentrant checkpointing's forward (no_grad on inputs that require grad)
+    bm = block_mask_for(c, "cpu")
+    rq, rk, rv = (t.detach().requires_grad_() for t in (q, k, v))
+    with torch.no_grad():
+        attempt("no_grad_on_inputs_requiring_grad", lambda: kernelpack.flex_attention(rq, rk, rv, block_mask=bm))
+    attempt("grad_mode_on", lambda: kernelpack.flex_attention(q, k, v, block_mask=bm))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # Dynamo guards on autocast: not what was warmed
+        attempt("autocast", lambda: kernelpack.flex_attention(q, k, v, block_mask=bm))
+    # an entry someone else compiled (another backend) for an uncovered call does not make it served
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention as eager_flex
+
+    uq, uk, uv = make_inputs(uncovered, "cpu")
+    ubm = block_mask_for(uncovered, "cpu")
+    with torch.no_grad(), contextlib.suppress(DenseFallbackError):  # eager backend: dense, refused after compiling
+        torch.compile(eager_flex, backend="eager")(uq, uk, uv, block_mask=ubm)
+    frames = counters["frames"]["ok"]
+    attempt("foreign_entry", lambda: kernelpack.flex_attention(uq, uk, uv, block_mask=ubm))
+    out["frames_compiled_by_kernelpack"] = counters["frames"]["ok"] - frames
     rep = runtime.report()
     out["compiled"] = len(rep.compiled)
     out["first_calls"] = [(f.warmup, f.signature.graph) for f in rep.first_calls]
-    out["refused"] = len(rep.refused)
+    out["refused"] = [why for _, why in rep.refused]
     out["summary"] = rep.summary()
     return out
 
@@ -330,6 +351,23 @@ class _Engine:
         """The covered call a checkpoint recompute makes."""
         self.on_engine.set()
         kernelpack.flex_attention(self.q, self.k, self.v, block_mask=self.bm)
+
+
+def background_timeout(artifact: str, cache: str) -> dict[str, Any]:
+    """A call that waits longer than KERNELPACK_WARMUP_WAIT_SECONDS (set to 0.01 by the test) for a background
+    warm-up raises instead of waiting on; after the warm-up the same call is served."""
+    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    c = configs(artifact)[0]
+    try:
+        call(c)
+        early = "served"
+    except KernelpackError as e:
+        early = f"{e} | {e.hint}"
+    activation = runtime._state.active
+    assert activation is not None and activation.warmup is not None
+    activation.warmup.done.wait(300)
+    call(c)
+    return {"early": early, "later": "served", "compiled": len(runtime.report().compiled)}
 
 
 def synthetic_engine(artifact: str, cache: str) -> dict[str, Any]:

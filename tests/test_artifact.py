@@ -332,7 +332,7 @@ def test_manifest_of_an_older_kernelpack_reads_with_its_fallbacks() -> None:
     assert m.configs[0].devices == (3,)
 
 
-def test_covers_hit_miss_nearest_and_device_only() -> None:
+def test_covers_hit_miss_nearest_and_the_one_field_that_differs() -> None:
     from kernelpack.recipe import Config
 
     m = art.Manifest.from_dict(
@@ -346,13 +346,13 @@ def test_covers_hit_miss_nearest_and_device_only() -> None:
     hit = m.covers(config.signature(0, "fwd+bwd"))
     assert hit.covered and hit.entry is m.configs[0] and hit.nearest == ()
     on_gpu3 = m.covers(config.signature(3, "fwd+bwd"))
-    assert not on_gpu3.covered and on_gpu3.device_only
+    assert not on_gpu3.covered and on_gpu3.only == ("device_index", 0, 3)
     assert on_gpu3.nearest[0].differences == (("device_index", 0, 3),)
     forward_only = m.covers(config.signature(0, "fwd"))  # built fwd+bwd only (`backward = true`)
     assert not forward_only.covered and forward_only.only == ("graph", "fwd+bwd", "fwd")
     longer = Config.from_dict({**PARAMS, "q_len": 8192, "kv_len": 8192}).signature(0, "fwd+bwd")
     miss = m.covers(longer)
-    assert not miss.device_only and len(miss.nearest) == 2
+    assert miss.only is None and len(miss.nearest) == 2
     assert miss.nearest[0].describe().endswith("(differs in: q_len 4096 vs 8192, kv_len 4096 vs 8192)")
     assert "mask 'sliding_window(2048)' vs 'sliding_window(1024)'" in miss.nearest[1].describe()
 

@@ -112,7 +112,14 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
         unc["type"] == "NotWarmedError" and "does not cover it" in unc["error"] and "q_len 256 vs 128" in unc["error"]
     )
     assert "warmup=False" in unc["hint"]
-    assert out["compiled"] == 0 and out["refused"] == 4 and "4 calls refused" in out["summary"]
+    assert out["no_grad_on_inputs_requiring_grad"] == out["grad_mode_on"] == "served"
+    auto = out["autocast"]
+    assert auto["type"] == "NotWarmedError" and "GLOBAL_STATE" in auto["error"] and "autocast" in auto["hint"]
+    foreign = out["foreign_entry"]  # Dynamo has an entry for it, from another backend: it would still trace
+    assert foreign["type"] == "NotWarmedError" and "does not cover it" in foreign["error"]
+    assert out["frames_compiled_by_kernelpack"] == 0
+    assert out["compiled"] == 0 and len(out["refused"]) == 6 and "6 calls refused" in out["summary"]
+    assert out["refused"][0].startswith("the artifact does not cover it") and "warmed it" in out["refused"][1]
     assert out["first_calls"] == [[True, "fwd"], [True, "fwd"]]  # the warm-up's, one per covered signature
 
 
@@ -122,6 +129,15 @@ def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact
     assert out["returned"] < out["warmup_seconds"]
     assert [w for w, _ in out["first_calls"]] == [True, True]
     assert {t for _, t in out["first_calls"]} == {"kernelpack-warmup"}
+
+
+def test_a_call_waits_for_a_background_warm_up_only_so_long(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KERNELPACK_WARMUP_WAIT_SECONDS", "0.01")
+    out = scenario("background_timeout", smoke_artifact, tmp_path)
+    assert "has not finished after 0 s" in out["early"] and "KERNELPACK_WARMUP_WAIT_SECONDS" in out["early"]
+    assert out["later"] == "served" and out["compiled"] == 0
 
 
 def test_no_wait_closes_a_cycle_with_a_single_engine_thread(smoke_artifact: Path, tmp_path: Path) -> None:
