@@ -40,11 +40,14 @@ def make_inputs(
     dtype = getattr(torch, config.dtype)
 
     def rand(heads: int, length: int) -> torch.Tensor:
+        # drawn as [B, H, S, D] whatever the layout, so that every layout of a config sees the same values
         shape = (config.batch, heads, length, config.head_dim)
         if random:
             t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
         else:
             t = torch.zeros(shape, device=device, dtype=dtype)
+        if config.layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
+            t = t.transpose(1, 2).contiguous().transpose(1, 2)
         return t.requires_grad_(graph == "fwd+bwd")
 
     q = rand(config.q_heads, config.q_len)
@@ -69,18 +72,21 @@ def call(
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     block_mask: Any,
     dout: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Every canonical call of ``graph`` through ``fn``: the output, and for ``"fwd+bwd"`` the gradients of q, k, v
-    (``dout`` is required then)."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The canonical call of ``graph`` through ``fn``: the output, for ``"fwd+bwd"`` the gradients of q, k, v
+    (``dout`` is required then), and the log-sum-exp when the config returns it."""
     import torch
 
     with torch.set_grad_enabled(graph == "fwd+bwd"):
         out = fn(**arguments(config, inputs, block_mask))
+    lse = None
+    if config.return_lse:
+        out, lse = out
     if graph == "fwd":
-        return out, ()
+        return out, (), lse
     if dout is None:
         raise ValueError("the fwd+bwd canonical call needs dout")
-    return out, torch.autograd.grad(out, inputs, dout)
+    return out, torch.autograd.grad(out, inputs, dout), lse
 
 
 def arguments(
@@ -89,7 +95,7 @@ def arguments(
     """The canonical call's arguments, by flex_attention's parameter names (as Dynamo's guards see them); it runs
     with grad mode on exactly for the ``"fwd+bwd"`` graph."""
     q, k, v = inputs
-    return {
+    args: dict[str, Any] = {
         "query": q,
         "key": k,
         "value": v,
@@ -97,3 +103,8 @@ def arguments(
         "enable_gqa": config.enable_gqa,
         "kernel_options": dict(config.kernel_options) or None,
     }
+    if config.scale is not None:
+        args["scale"] = config.scale
+    if config.return_lse:
+        args["return_lse"] = True
+    return args

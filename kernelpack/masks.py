@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .compiled import outside_first_calls
 from .errors import KernelpackError
+from .signature import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -91,13 +92,20 @@ def load_factory(spec: str) -> Callable[[Config], MaskMod]:
 
 
 def block_mask(
-    mask_mod: MaskMod, q_len: int, kv_len: int, device: str | Any, *, batch: int | None = None, heads: int | None = None
+    mask_mod: MaskMod,
+    q_len: int,
+    kv_len: int,
+    device: str | Any,
+    *,
+    batch: int | None = None,
+    heads: int | None = None,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
 ) -> BlockMask:
     """The BlockMask exactly as the builder makes it.
 
     Its tensors are graph inputs, so their shapes are part of the cache key: keep B/H as None (broadcast) unless the
-    mask really depends on the batch or head index, and use the default BLOCK_SIZE. A mask_mod may say it needs
-    per-batch or per-head blocks by carrying ``per_batch = True`` / ``per_head = True`` attributes.
+    mask really depends on the batch or head index, and the block size the recipe builds (default 128). A mask_mod
+    may say it needs per-batch or per-head blocks by carrying ``per_batch = True`` / ``per_head = True`` attributes.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -110,8 +118,16 @@ def block_mask(
     # create_block_mask traces the mask_mod (vmap, fx node meta) with torch state that a concurrent compile in another
     # thread also uses; so it waits while a first call compiles or loads, like any other kernelpack call.
     with outside_first_calls():
-        return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device)
+        return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
 
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:
-    return block_mask(mask_for(config), config.q_len, config.kv_len, device, batch=config.batch, heads=config.q_heads)
+    return block_mask(
+        mask_for(config),
+        config.q_len,
+        config.kv_len,
+        device,
+        batch=config.batch,
+        heads=config.q_heads,
+        block_size=config.block_size,
+    )

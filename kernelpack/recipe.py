@@ -21,6 +21,13 @@ Example (``recipes/smoke-cpu.toml``)::
     dynamic = false                   # one static graph per shape (see README)
     mode = "default"
 
+    [call]                            # how the job calls flex_attention; every key optional
+    layout = "bhsd"                   # or "bshd" (q/k/v as proj(x).view(B, S, H, D).transpose(1, 2)), or a list
+    scale = 0.125                     # default: 1/sqrt(head_dim)
+    return_lse = false
+    enable_gqa = false                # default: q_heads != kv_heads
+    block_size = 128                  # the BlockMask's block size, or [q_block, kv_block]
+
     [kernel_options]                  # passed verbatim to flex_attention
 """
 
@@ -36,7 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, RecipeError
-from .signature import COMPILE_MODES, DEVICES, DTYPES, GRAPHS, CallParams, CallSignature, Graph
+from .signature import (
+    COMPILE_MODES,
+    DEFAULT_BLOCK_SIZE,
+    DEVICES,
+    DTYPES,
+    GRAPHS,
+    LAYOUTS,
+    CallParams,
+    CallSignature,
+    Graph,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -45,7 +62,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 BUILTIN_MASKS = ("sliding_window", "sliding_window_bidirectional")
 
-_TOP_KEYS = ("name", "description", "device", "mask", "windows", "matrix", "compile", "kernel_options")
+_TOP_KEYS = ("name", "description", "device", "mask", "windows", "matrix", "compile", "call", "kernel_options")
 _MATRIX_KEYS = (
     "batch",
     "q_heads",
@@ -59,6 +76,7 @@ _MATRIX_KEYS = (
     "backward",
 )
 _COMPILE_KEYS = ("mode", "dynamic")
+_CALL_KEYS = ("layout", "scale", "return_lse", "enable_gqa", "block_size")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
     "device": "device",
@@ -75,6 +93,11 @@ _RECIPE_KEY = {
     "kernel_options": "kernel_options",
     "mode": "compile.mode",
     "dynamic": "compile.dynamic",
+    "layout": "call.layout",
+    "scale": "call.scale",
+    "return_lse": "call.return_lse",
+    "enable_gqa": "call.enable_gqa",
+    "block_size": "call.block_size",
 }
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
@@ -91,6 +114,7 @@ class Config(CallParams):
     graphs: tuple[Graph, ...] = ("fwd",)
 
     def __post_init__(self) -> None:
+        CallParams.__post_init__(self)  # not super(): zero-argument super() breaks in slots dataclasses
         _validate(self)
 
     @property
@@ -126,6 +150,7 @@ class Config(CallParams):
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["kernel_options"] = dict(self.kernel_options)
         d["graphs"] = list(self.graphs)
+        d["block_size"] = list(self.block_size)
         return d
 
     @classmethod
@@ -149,10 +174,13 @@ class Config(CallParams):
         options = d.get("kernel_options", {})
         if not isinstance(options, dict):
             raise ConfigError("kernel_options", "must be a table", value=options)
-        graphs = d.get("graphs", ["fwd"])
-        if not isinstance(graphs, (list, tuple)):
-            raise ConfigError("graphs", "must be a list", value=graphs, allowed=GRAPHS)
-        return cls(**{**d, "kernel_options": tuple(sorted(options.items())), "graphs": tuple(graphs)})
+        listed = {}
+        for name, default in (("graphs", ["fwd"]), ("block_size", list(DEFAULT_BLOCK_SIZE))):
+            value = d.get(name, default)
+            if not isinstance(value, (list, tuple)):
+                raise ConfigError(name, "must be a list", value=value)
+            listed[name] = tuple(value)
+        return cls(**{**d, "kernel_options": tuple(sorted(options.items())), **listed})
 
     @property
     def id(self) -> str:
@@ -201,6 +229,19 @@ def _validate(c: Config) -> None:
             value="fwd+bwd",
             allowed="['fwd'] when device = 'cpu'",
         )
+    if c.layout not in LAYOUTS:
+        raise ConfigError("layout", "unknown layout", value=c.layout, allowed=LAYOUTS)
+    if c.scale is not None and (isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or c.scale <= 0):
+        raise ConfigError("scale", "must be a positive number (or left out: 1/sqrt(head_dim))", value=c.scale)
+    for name in ("return_lse", "enable_gqa"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(name, "must be a boolean", value=getattr(c, name), allowed=(True, False))
+    if c.return_lse and c.device == "cpu":  # inductor's CPU flex template: "return_lse is not supported yet"
+        raise ConfigError("return_lse", "compiled flex_attention on CPU cannot return the lse", value=True)
+    if c.q_heads != c.kv_heads and not c.enable_gqa:
+        raise ConfigError("enable_gqa", f"must be true when q_heads={c.q_heads} != kv_heads={c.kv_heads}", value=False)
+    if len(c.block_size) != 2 or not all(_positive_int(n) for n in c.block_size):
+        raise ConfigError("block_size", "must be a positive integer or two of them", value=list(c.block_size))
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
     for k, v in c.kernel_options:
@@ -297,6 +338,20 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
     mode = compile_opts.get("mode", "default")
     dynamic = compile_opts.get("dynamic", False)
     kernel_options = _table(path, "kernel_options", data.get("kernel_options", {}))
+    call = _table(path, "call", data.get("call", {}))
+    _no_unknown(path, "call.", call, _CALL_KEYS)
+    layouts = _list(path, "call.layout", call.get("layout", "bhsd"))
+    block_size = call.get("block_size", list(DEFAULT_BLOCK_SIZE))
+    block = tuple(block_size) if isinstance(block_size, list) else (block_size, block_size)
+    call_params = {
+        "scale": float(call["scale"])
+        if isinstance(call.get("scale"), int) and not isinstance(call["scale"], bool)
+        else call.get("scale"),
+        "return_lse": call.get("return_lse", False),
+        "block_size": block,
+    }
+    if "enable_gqa" in call:
+        call_params["enable_gqa"] = call["enable_gqa"]
 
     try:
         configs = tuple(
@@ -315,9 +370,11 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
                 kernel_options=tuple(sorted(kernel_options.items())),
                 mode=mode,
                 dynamic=dynamic,
+                layout=layout,
+                **call_params,
             )
-            for dt, (ql, kl), w, b, qh, kh, hd in itertools.product(
-                dtypes, lens, windows, batch, q_heads, kv_heads, head_dim
+            for dt, (ql, kl), w, b, qh, kh, hd, layout in itertools.product(
+                dtypes, lens, windows, batch, q_heads, kv_heads, head_dim, layouts
             )
         )
     except ConfigError as e:
@@ -347,6 +404,7 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
             "graphs": list(graphs),
         },
         "compile": {"mode": mode, "dynamic": dynamic},
+        "call": {"layout": layouts, **{k: list(v) if isinstance(v, tuple) else v for k, v in call_params.items()}},
         "kernel_options": dict(sorted(kernel_options.items())),
     }
     return Recipe(name=name, device=device, configs=configs, normalized=normalized)

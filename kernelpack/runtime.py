@@ -474,8 +474,7 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
 
 
 def _signature(mode: str, dynamic: bool, arguments: dict[str, Any]) -> CallSignature:
-    a = arguments
-    return signature_of(a["query"], a["key"], a["value"], a["block_mask"], a["kernel_options"], mode, dynamic)
+    return signature_of(arguments, mode, dynamic)
 
 
 def _serve(
@@ -515,9 +514,9 @@ def _serve(
 def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
     sig = coverage.signature
     hint = (
-        "make the call as the warm-up did (kernelpack.canonical: contiguous [B, H, S, D] q/k/v, the BlockMask from "
-        "the recipe's mask function, no score_mod); or activate(warmup=False), where no other thread runs backward "
-        "while a first call compiles"
+        "make the call as the recipe declares it (its [call] layout, scale and flags; the BlockMask from the "
+        "recipe's mask function; no score_mod), as the warm-up did (kernelpack.canonical); or activate(warmup=False), "
+        "where no other thread runs backward while a first call compiles"
     )
     if coverage.entry is None:
         reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(

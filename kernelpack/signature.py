@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -29,10 +29,16 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 # The forward-only graph (no input requires grad, or grad mode is off: inference, and the forward of *reentrant*
 # gradient checkpointing, which runs under no_grad) or the training graph (forward + backward).
 Graph = Literal["fwd", "fwd+bwd"]
+# How q, k, v lie in memory: "bhsd" contiguous [B, H, S, D]; "bshd" a contiguous [B, S, H, D] seen as [B, H, S, D]
+# through .transpose(1, 2), what every HF model passes (proj(x).view(B, S, H, D).transpose(1, 2)). Inductor compiles
+# static strides into the graph and Dynamo guards on them, so each is its own graph.
+Layout = Literal["bhsd", "bshd"]
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
 COMPILE_MODES: tuple[str, ...] = get_args(Mode)
 GRAPHS: tuple[str, ...] = get_args(Graph)
+LAYOUTS: tuple[str, ...] = get_args(Layout)
+DEFAULT_BLOCK_SIZE = (128, 128)  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, as (Q_BLOCK_SIZE, KV_BLOCK_SIZE)
 
 # shown by describe() in its fixed layout; every other field is shown as name=value when it is not its default
 _LAYOUT_FIELDS = frozenset(
@@ -67,10 +73,15 @@ class CallParams:
     kernel_options: tuple[tuple[str, Any], ...] = ()
     mode: Mode = "default"
     dynamic: bool = False
+    layout: str = "bhsd"  # a Layout, or for a call anything else: "q=bshd k=bhsd v=bhsd", "strided"
+    scale: float | None = None  # None: 1/sqrt(head_dim); a float is a constant of the traced graph
+    enable_gqa: bool | None = None  # None: q_heads != kv_heads (torch needs it then)
+    return_lse: bool = False
+    block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE  # the BlockMask's (Q, KV) block size
 
-    @property
-    def enable_gqa(self) -> bool:
-        return self.q_heads != self.kv_heads
+    def __post_init__(self) -> None:
+        if self.enable_gqa is None:
+            object.__setattr__(self, "enable_gqa", self.q_heads != self.kv_heads)
 
     def _describe(self, mask: str, device: str, graphs: str) -> str:
         lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
@@ -80,7 +91,10 @@ class CallParams:
         )
         for f in dataclasses.fields(CallParams):
             value = getattr(self, f.name)
-            if f.name not in _LAYOUT_FIELDS and value != f.default:
+            if f.name == "enable_gqa":  # shown only when not what the head counts imply
+                if value != (self.q_heads != self.kv_heads):
+                    text += f" enable_gqa={value}"
+            elif f.name not in _LAYOUT_FIELDS and value != f.default:
                 text += f" {f.name}={dict(value) if f.name == 'kernel_options' else value}"
         return text + "]"
 
@@ -115,12 +129,28 @@ def graph_of(query: Any, key: Any, value: Any) -> Graph:
     return "fwd+bwd" if grad else "fwd"
 
 
-def signature_of(
-    query: Any, key: Any, value: Any, block_mask: Any, kernel_options: Any, mode: str, dynamic: bool
-) -> CallSignature:
-    """The signature of a flex_attention call on these tensors. enable_gqa is implied by the head counts (torch
-    refuses a mismatch); the graph is the training one when autograd will record the call."""
+def layout_of(query: Any, key: Any, value: Any) -> str:
+    """The memory layout of q, k, v (see :data:`Layout`): one name when all three share it, else each."""
+    names = [_tensor_layout(t) for t in (query, key, value)]
+    if len(set(names)) == 1:
+        return names[0]
+    return " ".join(f"{n}={layout}" for n, layout in zip("qkv", names, strict=True))
 
+
+def _tensor_layout(t: Any) -> str:
+    if t.is_contiguous():
+        return "bhsd"
+    if t.transpose(1, 2).is_contiguous():
+        return "bshd"
+    return "strided" + str(tuple(t.stride()))
+
+
+def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool) -> CallSignature:
+    """The signature of a flex_attention call with these arguments (by flex_attention's parameter names; a missing
+    one has its default). The graph is the training one when autograd will record the call."""
+    query, key, value = arguments["query"], arguments["key"], arguments["value"]
+    block_mask = arguments.get("block_mask")
+    scale = arguments.get("scale")
     b, hq, q_len, d = query.shape
     device = query.device
     return CallSignature(
@@ -135,9 +165,14 @@ def signature_of(
         head_dim=d,
         dtype=str(query.dtype).removeprefix("torch."),  # type: ignore[arg-type]
         graph=graph_of(query, key, value),
-        kernel_options=tuple(sorted((kernel_options or {}).items())),
+        kernel_options=tuple(sorted((arguments.get("kernel_options") or {}).items())),
         mode=mode,  # type: ignore[arg-type]
         dynamic=dynamic,
+        layout=layout_of(query, key, value),
+        scale=None if scale is None else float(scale),
+        enable_gqa=bool(arguments.get("enable_gqa", False)),
+        return_lse=bool(arguments.get("return_lse", False)),
+        block_size=tuple(block_mask.BLOCK_SIZE) if block_mask is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
     )
 
 

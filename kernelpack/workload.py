@@ -46,13 +46,15 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None  # drawn before the clock starts
         _sync(device)
         start = time.perf_counter()
-        out, grads = canonical_call(fn, config, graph, inputs, bm, dout)
+        out, grads, lse = canonical_call(fn, config, graph, inputs, bm, dout)
         _sync(device)
         seconds += time.perf_counter() - start
         if check:
-            ref = reference_attention(config, *inputs, dout)
+            *ref, ref_lse = reference_attention(config, *inputs, dout, with_lse=True)
             for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, strict=False):
                 errors[f"{graph}:{name}"] = _rel_error(g, r)
+            if lse is not None:
+                errors[f"{graph}:lse"] = _rel_error(lse.nan_to_num(0.0, 0.0, 0.0), ref_lse.nan_to_num(0.0, 0.0, 0.0))
     return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod))
 
 
@@ -80,9 +82,17 @@ def _sync(device: Any) -> None:
 
 
 def reference_attention(
-    config: Config, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor | None, chunk: int = 1024
+    config: Config,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor | None,
+    chunk: int = 1024,
+    *,
+    with_lse: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Masked softmax attention in float64, without flex: forward and, given ``dout``, the exact gradients.
+    """Masked softmax attention in float64, without flex: forward and, given ``dout``, the exact gradients; with
+    ``with_lse`` the row log-sum-exp of the scaled scores (natural log, as flex_attention returns it) last.
 
     Written out (not autograd) and chunked over query rows so that even 16k-long sequences never hold a full score
     matrix: memory is one ``chunk x kv_len`` block per step. Rows the mask empties produce 0, like flex_attention.
@@ -93,9 +103,10 @@ def reference_attention(
     dev = q.device
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
     do64 = dout.double() if dout is not None else None
-    scale = config.head_dim**-0.5
+    scale = config.scale if config.scale is not None else config.head_dim**-0.5
     group = config.q_heads // config.kv_heads
     out = torch.zeros_like(q64)
+    lse_all = torch.zeros(q64.shape[:-1], dtype=q64.dtype, device=dev)
     dq = torch.zeros_like(q64) if do64 is not None else None
     dk = torch.zeros_like(k64) if do64 is not None else None
     dv = torch.zeros_like(v64) if do64 is not None else None
@@ -113,6 +124,7 @@ def reference_attention(
                 s = (q64[b, h, i0:i1] @ kk.T) * scale
                 s = s.masked_fill(~allowed, float("-inf"))
                 lse = torch.logsumexp(s, dim=-1, keepdim=True)
+                lse_all[b, h, i0:i1] = lse[:, 0]
                 p = torch.exp(s - lse).nan_to_num(0.0)  # fully masked rows: -inf - -inf
                 o = p @ vv
                 out[b, h, i0:i1] = o
@@ -124,7 +136,8 @@ def reference_attention(
                     dq[b, h, i0:i1] = (ds @ kk) * scale
                     dk[b, hk] += (ds.T @ q64[b, h, i0:i1]) * scale
                     dv[b, hk] += p.T @ do
+    extra = (lse_all,) if with_lse else ()
     if do64 is None:
-        return (out,)
+        return (out, *extra)
     assert dq is not None and dk is not None and dv is not None
-    return out, dq, dk, dv
+    return (out, dq, dk, dv, *extra)

@@ -327,6 +327,50 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     }
 
 
+def hf_block(artifact: str, cache: str) -> dict[str, Any]:
+    """A model's attention as HF writes it (Linear projections seen through .view(B, S, H, D).transpose(1, 2), a
+    scale, GQA), against an artifact built for that call (`[call] layout = "bshd"`): served, nothing
+    compiles; the canonical contiguous call is refused, naming the layout."""
+    runtime.activate(artifact, cache_dir=cache)
+    c = configs(artifact)[0]
+    hidden = 32
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(hidden, c.q_heads * c.head_dim)
+            self.k_proj = torch.nn.Linear(hidden, c.kv_heads * c.head_dim)
+            self.v_proj = torch.nn.Linear(hidden, c.kv_heads * c.head_dim)
+
+        def forward(self, x: torch.Tensor, mask: Any) -> torch.Tensor:
+            b, s, _ = x.shape
+            q = self.q_proj(x).view(b, s, c.q_heads, c.head_dim).transpose(1, 2)
+            k = self.k_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+            v = self.v_proj(x).view(b, s, c.kv_heads, c.head_dim).transpose(1, 2)
+            out = kernelpack.flex_attention(q, k, v, block_mask=mask, scale=c.scale, enable_gqa=True)
+            return out.transpose(1, 2).reshape(b, s, -1)
+
+    attention = Attention()
+    mask = kernelpack.masks.block_mask(kernelpack.masks.sliding_window(c.window), c.q_len, c.kv_len, "cpu")
+    x = torch.randn(c.batch, c.q_len, hidden)
+    with torch.no_grad():  # compiled flex has no backward on CPU: inference
+        out = attention(x, mask)
+    rep = runtime.report()
+    result: dict[str, Any] = {
+        "out": list(out.shape),
+        "compiled": len(rep.compiled),
+        "refused": [why for _, why in rep.refused],
+        "summary": rep.summary(),
+    }
+    q, k, v = (t.contiguous() for t in make_inputs(c, "cpu"))
+    try:
+        kernelpack.flex_attention(q, k, v, block_mask=mask, scale=c.scale, enable_gqa=True)
+        result["contiguous"] = "served"
+    except NotPrecompiledError as e:
+        result["contiguous"] = f"{e} | {e.hint}"
+    return result
+
+
 class _Engine:
     """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
     it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and

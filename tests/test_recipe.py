@@ -95,6 +95,15 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"compile": {"mode": "fast"}}, "compile.mode", "'fast'"),
         ({"compile": {"dynamic": "no"}}, "compile.dynamic", "boolean"),
         ({"kernel_options": {"BLOCK_M": [64]}}, "kernel_options.BLOCK_M", "scalar"),
+        ({"call": {"layout": "bsdh"}}, "call.layout", "'bsdh'"),
+        ({"call": {"scale": 0}}, "call.scale", "positive"),
+        ({"call": {"scale": "1/8"}}, "call.scale", "'1/8'"),
+        ({"call": {"return_lse": 1}}, "call.return_lse", "boolean"),
+        ({"call": {"enable_gqa": False}}, "call.enable_gqa", "must be true when q_heads=8 != kv_heads=2"),
+        ({"call": {"block_size": [128, 64, 32]}}, "call.block_size", "two of them"),
+        ({"call": {"block_size": 0}}, "call.block_size", "positive"),
+        ({"call": {"lse": True}}, "call.lse", "unknown key"),
+        ({"device": "cpu", "matrix.backward": False, "call": {"return_lse": True}}, "call.return_lse", "CPU"),
     ],
 )
 def test_validation_names_file_key_value_and_allowed(over: dict, key: str, fragment: str) -> None:
@@ -123,6 +132,26 @@ def test_graphs_and_the_older_backward_key() -> None:
     old = {k: v for k, v in legacy.configs[0].to_dict().items() if k != "graphs"}
     assert Config.from_dict({**old, "backward": True}) == legacy.configs[0]
     assert Config.from_dict({**old, "backward": False}).graphs == ("fwd",)
+
+
+def test_call_keys_expand_and_enter_the_id() -> None:
+    r = parse_recipe(base(call={"layout": ["bhsd", "bshd"], "scale": 1, "return_lse": True, "block_size": 64}))
+    assert len(r.configs) == 2 * 8 and {c.layout for c in r.configs} == {"bhsd", "bshd"}  # layout is an axis
+    c = r.configs[0]
+    assert (c.scale, c.return_lse, c.enable_gqa, c.block_size) == (1.0, True, True, (64, 64))
+    assert Config.from_dict(c.to_dict()) == c and c.id not in {x.id for x in parse_recipe(base()).configs}
+    assert r.normalized["call"] == {
+        "layout": ["bhsd", "bshd"],
+        "scale": 1.0,
+        "return_lse": True,
+        "block_size": [64, 64],
+    }
+    plain = parse_recipe(base()).configs[0]
+    assert (plain.layout, plain.scale, plain.return_lse, plain.block_size) == ("bhsd", None, False, (128, 128))
+    assert plain.enable_gqa  # 8 q heads, 2 kv heads
+    # a manifest written before these keys reads as the canonical call
+    old = {k: v for k, v in plain.to_dict().items() if k not in ("layout", "scale", "return_lse", "enable_gqa")}
+    assert Config.from_dict(old) == plain
 
 
 def test_unknown_dtype_lists_allowed_values() -> None:

@@ -106,7 +106,9 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
     assert other["type"] == "NotWarmedError" and "warmed it" in other["error"] and "mask_mod" in other["error"]
     assert "recipe's mask function" in other["hint"]
     bshd = out["transposed"]
-    assert bshd["type"] == "NotWarmedError" and "stride" in bshd["error"]
+    # the signature sees the layout: not covered, and the nearest covered signature says it is the layout
+    assert bshd["type"] == "NotWarmedError" and "does not cover it" in bshd["error"]
+    assert "layout 'bhsd' vs 'bshd'" in bshd["error"]
     unc = out["uncovered"]
     assert (
         unc["type"] == "NotWarmedError" and "does not cover it" in unc["error"] and "q_len 256 vs 128" in unc["error"]
@@ -236,3 +238,40 @@ def test_refusal_of_a_forward_only_call_against_a_training_only_artifact_names_t
     forward_only = _built_on_device_0(dataclasses.replace(DFLASH, graphs=("fwd",)))
     err = runtime.refusal(forward_only.covers(_signature(0, "fwd+bwd", graphs=("fwd",))), "a.kpack")
     assert err.hint is not None and "add the training graph" in err.hint
+
+
+HF_RECIPE = """
+name = "hf-block-cpu"
+device = "cpu"
+mask = "sliding_window"
+windows = [64]
+
+[matrix]
+q_heads = 4
+kv_heads = 2
+seq_len = [256]
+head_dim = 16
+dtypes = ["float32"]
+
+[call]
+layout = "bshd"
+scale = 0.25
+"""
+
+
+def test_an_hf_style_block_is_served_by_an_artifact_built_for_its_call(tmp_path: Path) -> None:
+    """Linear projections seen through .view().transpose(1, 2) and a scale (the lse is CUDA-only): built with `[call]`
+    keys, the block's own call compiles nothing in a fresh process; the contiguous call is refused, naming the
+    layout."""
+    from kernelpack.build import build_recipe
+
+    recipe = tmp_path / "hf.toml"
+    recipe.write_text(HF_RECIPE)
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    assert set(built.outcomes[0].errors) == {"fwd:out"} and 0 < built.outcomes[0].errors["fwd:out"] < 2e-3
+    out = scenario("hf_block", built.artifact, tmp_path)
+    assert out["out"] == [1, 256, 64]
+    assert out["compiled"] == 0 and out["refused"] == [], out
+    assert out["summary"].startswith("0 kernels compiled, 0 FX-graph misses over 1 first calls")
+    assert "layout 'bshd' vs 'bhsd'" in out["contiguous"] and "rebuild" in out["contiguous"]

@@ -30,12 +30,12 @@ def test_the_runtime_sees_a_canonical_call_as_its_recipe_point(grad: bool) -> No
     bm = block_mask_for(config, "cpu")
     for t in (q, k, v):
         t.requires_grad_(grad)
-    seen = signature_of(q, k, v, bm, None, "default", False)
+    seen = signature_of({"query": q, "key": k, "value": v, "block_mask": bm}, "default", False)
     assert seen == config.signature(None, "fwd+bwd" if grad else "fwd")
     with torch.no_grad():  # reentrant checkpointing's forward: the forward-only graph even on inputs needing grad
-        assert signature_of(q, k, v, bm, None, "default", False).graph == "fwd"
+        assert signature_of({"query": q, "key": k, "value": v, "block_mask": bm}, "default", False).graph == "fwd"
     v.requires_grad_(True)  # any input needing grad makes it the training graph
-    assert signature_of(q, k.detach(), v, bm, None, "default", False).graph == "fwd+bwd"
+    assert signature_of({"query": q, "key": k.detach(), "value": v}, "default", False).graph == "fwd+bwd"
 
 
 def test_a_cuda_point_carries_its_device_index_and_a_cpu_point_none() -> None:
@@ -115,3 +115,48 @@ def test_kernelpack_masks_are_named_by_what_they_compute() -> None:
         == Config.from_dict({**DFLASH.to_dict(), "window": 64}).mask_label
     )
     assert mask_key(None) == "none"
+
+
+def test_the_signature_sees_how_a_model_calls_flex() -> None:
+    """An HF-style block: Linear projections seen through .view(B, S, H, D).transpose(1, 2), a scale, the lse, GQA
+    asked for explicitly, a BlockMask of another block size. Each is a field, named by describe() and differences()."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, s, hq, hkv, d = 1, 128, 4, 2, 16
+    x = torch.randn(b, s, 32)
+    q = torch.nn.Linear(32, hq * d)(x).view(b, s, hq, d).transpose(1, 2)
+    k = torch.nn.Linear(32, hkv * d)(x).view(b, s, hkv, d).transpose(1, 2)
+    v = torch.nn.Linear(32, hkv * d)(x).view(b, s, hkv, d).transpose(1, 2)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s, s, device="cpu", BLOCK_SIZE=64)
+    call = {"query": q, "key": k, "value": v, "block_mask": bm, "scale": 0.25, "enable_gqa": True, "return_lse": True}
+    sig = signature_of(call, "default", False)
+    assert (sig.layout, sig.scale, sig.return_lse, sig.enable_gqa, sig.block_size) == (
+        "bshd",
+        0.25,
+        True,
+        True,
+        (64, 64),
+    )
+    assert sig.describe().endswith("fwd+bwd layout=bshd scale=0.25 return_lse=True block_size=(64, 64)]")
+    canonical = signature_of(
+        {"query": q.contiguous(), "key": k.contiguous(), "value": v.contiguous()}, "default", False
+    )
+    assert (canonical.layout, canonical.scale, canonical.return_lse, canonical.block_size) == (
+        "bhsd",
+        None,
+        False,
+        (128, 128),
+    )
+    assert not canonical.enable_gqa  # what the call passed (torch refuses it, but that is torch's to say)
+    assert [f for f, _, _ in canonical.differences(sig)] == [
+        "layout",
+        "scale",
+        "enable_gqa",
+        "return_lse",
+        "block_size",
+        "mask",  # the lambda vs no BlockMask at all
+    ]
+    mixed = signature_of({"query": q, "key": k.contiguous(), "value": v, "enable_gqa": True}, "default", False)
+    assert mixed.layout == "q=bshd k=bhsd v=bshd"
+    strided = signature_of({"query": q[:, :, ::2], "key": k, "value": v, "enable_gqa": True}, "default", False)
+    assert strided.layout.startswith("q=strided(")
