@@ -240,8 +240,8 @@ def _validate(c: Config) -> None:
         raise ConfigError("return_lse", "compiled flex_attention on CPU cannot return the lse", value=True)
     if c.q_heads != c.kv_heads and not c.enable_gqa:
         raise ConfigError("enable_gqa", f"must be true when q_heads={c.q_heads} != kv_heads={c.kv_heads}", value=False)
-    if len(c.block_size) != 2 or not all(_positive_int(n) for n in c.block_size):
-        raise ConfigError("block_size", "must be a positive integer or two of them", value=list(c.block_size))
+    if not (isinstance(c.block_size, tuple) and len(c.block_size) == 2 and all(map(_positive_int, c.block_size))):
+        raise ConfigError("block_size", "must be a positive integer or two of them", value=c.block_size)
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
     for k, v in c.kernel_options:

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from kernelpack.errors import RecipeError
+from kernelpack.errors import ConfigError, RecipeError
 from kernelpack.recipe import Config, load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,6 +147,8 @@ def test_call_keys_expand_and_enter_the_id() -> None:
         "return_lse": True,
         "block_size": [64, 64],
     }
+    with pytest.raises(ConfigError, match="block_size: must be a positive integer or two of them"):
+        dataclasses.replace(c, block_size=64)  # type: ignore[arg-type]
     plain = parse_recipe(base()).configs[0]
     assert (plain.layout, plain.scale, plain.return_lse, plain.block_size) == ("bhsd", None, False, (128, 128))
     assert plain.enable_gqa  # 8 q heads, 2 kv heads
