@@ -18,6 +18,8 @@ import hashlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .masks import score_mod_for
+
 if TYPE_CHECKING:
     import torch
 
@@ -103,6 +105,8 @@ def arguments(
         "enable_gqa": config.enable_gqa,
         "kernel_options": dict(config.kernel_options) or None,
     }
+    if config.score_mod != "none":
+        args["score_mod"] = score_mod_for(config)
     if config.scale is not None:
         args["scale"] = config.scale
     if config.return_lse:

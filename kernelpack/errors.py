@@ -157,13 +157,17 @@ class NotPrecompiledError(KernelpackError, RuntimeError):
         *,
         artifact: str | None,
         only: tuple[str, object, object] | None = None,
+        detail: str = "",
     ) -> None:
-        """``only``: (field, covered value, call's value) when the nearest covered signature differs in one field."""
+        """``only``: (field, covered value, call's value) when the nearest covered signature differs in one field;
+        ``detail``: more lines (e.g. the graphs of differing masks)."""
         self.call, self.nearest, self.artifact = call, list(nearest), artifact
         lines = [f"flex_attention call not precompiled by {artifact or 'any active artifact'}: {call}"]
         if nearest:
             lines.append("nearest covered configs:")
             lines += [f"  {n}" for n in nearest]
+        if detail:
+            lines.append(detail.strip("\n"))
         hint = (
             "add this shape to the recipe and rebuild; or activate(strict=False, warmup=False) to compile it here "
             "(slow, logged; only where no other thread runs backward meanwhile)"

@@ -50,6 +50,17 @@ def sliding_window_bidirectional(window: int) -> MaskMod:
 BUILTIN = {"sliding_window": sliding_window, "sliding_window_bidirectional": sliding_window_bidirectional}
 
 
+def identity_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+    """The score_mod of a recipe with ``score_mod = "identity"``: the score unchanged. A call passing any function
+    that computes the same (transformers' closure without softcap) is served with this one in its place."""
+    return score
+
+
+def score_mod_for(config: Config) -> Callable[..., Any] | None:
+    """The score_mod a config was built with: None, or :func:`identity_score`."""
+    return identity_score if config.score_mod == "identity" else None
+
+
 def mask_for(config: Config) -> MaskMod:
     """The mask_mod a config was built with: a built-in, or ``factory(config)`` for ``mask = "pkg.mod:factory"``."""
     if config.mask in BUILTIN:

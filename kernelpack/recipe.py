@@ -27,6 +27,7 @@ Example (``recipes/smoke-cpu.toml``)::
     return_lse = false
     enable_gqa = false                # default: q_heads != kv_heads
     block_size = 128                  # the BlockMask's block size, or [q_block, kv_block]
+    score_mod = "identity"            # "none" (default) or "identity": any score_mod that returns the score
 
     [kernel_options]                  # passed verbatim to flex_attention
 """
@@ -76,7 +77,8 @@ _MATRIX_KEYS = (
     "backward",
 )
 _COMPILE_KEYS = ("mode", "dynamic")
-_CALL_KEYS = ("layout", "scale", "return_lse", "enable_gqa", "block_size")
+_CALL_KEYS = ("layout", "scale", "return_lse", "enable_gqa", "block_size", "score_mod")
+SCORE_MODS = ("none", "identity")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
     "device": "device",
@@ -98,6 +100,7 @@ _RECIPE_KEY = {
     "return_lse": "call.return_lse",
     "enable_gqa": "call.enable_gqa",
     "block_size": "call.block_size",
+    "score_mod": "call.score_mod",
 }
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
@@ -242,6 +245,8 @@ def _validate(c: Config) -> None:
         raise ConfigError("enable_gqa", f"must be true when q_heads={c.q_heads} != kv_heads={c.kv_heads}", value=False)
     if not (isinstance(c.block_size, tuple) and len(c.block_size) == 2 and all(map(_positive_int, c.block_size))):
         raise ConfigError("block_size", "must be a positive integer or two of them", value=c.block_size)
+    if c.score_mod not in SCORE_MODS:
+        raise ConfigError("score_mod", "unknown score_mod", value=c.score_mod, allowed=SCORE_MODS)
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
     for k, v in c.kernel_options:
@@ -349,6 +354,7 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         else call.get("scale"),
         "return_lse": call.get("return_lse", False),
         "block_size": block,
+        "score_mod": call.get("score_mod", "none"),
     }
     if "enable_gqa" in call:
         call_params["enable_gqa"] = call["enable_gqa"]

@@ -27,6 +27,7 @@ The guard (:func:`activate`, then every :func:`flex_attention` call) makes a fir
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import sys
@@ -57,8 +58,8 @@ from .compiled import (
 )
 from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
-from .masks import block_mask_for
-from .signature import CallSignature, graph_of, mask_key, signature_of
+from .masks import block_mask_for, score_mod_for
+from .signature import CallSignature, graph_of, mask_key, mod_graph, signature_of
 from .store import pull
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,8 @@ class Warmup:
         self.skipped: dict[CallSignature, str] = {}  # covered but not warmed here, and why
         self.entries: dict[CallSignature, Any] = {}  # the Dynamo entry (guard manager) that served each warm call
         self.served_by: frozenset[Any] = frozenset()  # those entries: what may serve a call during training
+        self.masks: dict[str, list[Any]] = {}  # the warmed mask functions, by the key of their graph
+        self.score_mods: dict[str, list[Any]] = {}  # the warmed score_mods, likewise
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -354,6 +357,8 @@ def _warm_up(state: _State, activation: Activation) -> None:
                             f"its mask computes {mask_key(bm.mask_mod)!r} here, {built.mask_key!r} in the builder"
                         )
                     continue
+                _remember(warm.masks, bm.mask_mod, "mask")
+                _remember(warm.score_mods, score_mod_for(config), "score")
                 for sig in sigs:
                     _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
@@ -379,6 +384,12 @@ def _warm_up(state: _State, activation: Activation) -> None:
             KernelpackWarning,
             stacklevel=3,
         )
+
+
+def _remember(warmed: dict[str, list[Any]], fn: Callable[..., Any] | None, kind: Literal["mask", "score"]) -> None:
+    graph = mod_graph(fn, kind) if fn is not None else None
+    if graph is not None and fn not in warmed.setdefault(graph.key, []):
+        warmed[graph.key].append(fn)
 
 
 def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignature, device: str, bm: Any) -> None:
@@ -455,14 +466,14 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     qkv = (query, arguments["key"], arguments["value"])
     if (
         graph_of(*qkv) == "fwd"
-        and arguments["score_mod"] is None
+        and _closes_over_no_tensor(arguments["score_mod"])
         and (torch.is_grad_enabled() or any(t.requires_grad for t in qkv))
     ):
         # A call autograd does not record (grad mode off, or no input requires grad): the same call on detached
         # inputs under no_grad, as the canonical forward-only call is made. Dynamo guards on grad mode and on each
         # input's requires_grad, so this is what lets one warmed entry serve inference, a forward with grad mode on,
-        # and reentrant checkpointing's forward (no_grad on inputs that require grad). Not with a score_mod, which
-        # may close over tensors that require grad.
+        # and reentrant checkpointing's forward (no_grad on inputs that require grad). Not with a score_mod that
+        # closes over tensors: they may require grad.
         detached = dict(arguments, query=query.detach(), key=qkv[1].detach(), value=qkv[2].detach())
         with torch.no_grad():
             return _guarded_call(mode, dynamic, detached)
@@ -471,6 +482,13 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     if active is not None and active.warmup is not None:
         return _serve(state, active, active.warmup, fn, mode, dynamic, arguments)
     return _first_call_at_the_gate(state, active, fn, mode, dynamic, arguments)
+
+
+def _closes_over_no_tensor(score_mod: Callable[..., Any] | None) -> bool:
+    if score_mod is None:
+        return True
+    graph = mod_graph(score_mod, "score")
+    return graph is not None and "tensor(" not in graph.text
 
 
 def _signature(mode: str, dynamic: bool, arguments: dict[str, Any]) -> CallSignature:
@@ -498,11 +516,17 @@ def _serve(
         hit = _signature(mode, dynamic, arguments) in warm.signatures
     if hit:
         return fn(**arguments)
+    same = _with_warmed_mods(warm, arguments, mode, dynamic)
+    if same is not None:
+        return fn(**same)
     sig = _signature(mode, dynamic, arguments)
     coverage = active.covers(sig)
     error: KernelpackError
     if coverage.entry is None and active.strict:
-        error, why = refusal(coverage, active.artifact), "not covered by the artifact (strict mode)"
+        error = refusal(
+            coverage, active.artifact, detail=_mask_graphs(warm, arguments) if _mask_differs(coverage) else ""
+        )
+        why = "not covered by the artifact (strict mode)"
     else:
         error = _not_warmed(warm, coverage, arguments)
         why = error.reason.splitlines()[0]
@@ -511,17 +535,68 @@ def _serve(
     raise error
 
 
+def _with_warmed_mods(warm: Warmup, arguments: dict[str, Any], mode: str, dynamic: bool) -> dict[str, Any] | None:
+    """Masks and score_mods by graph: the user's own mask_mod or score_mod, computing what a warmed one computes
+    (:func:`kernelpack.signature.mod_graph`, recorded once per function, never by FX tracing), is served with the
+    warmed function in its place. Dynamo guards on the function's code object, so the user's own would be traced;
+    the warmed one computes the same thing by construction (a mask over the same block tables). Returns the
+    arguments that are served, or None."""
+    block_mask = arguments.get("block_mask")
+    mask_mods = _equivalents(warm.masks, getattr(block_mask, "mask_mod", None), "mask")
+    score_mods = _equivalents(warm.score_mods, arguments.get("score_mod"), "score")
+    for mask_mod in mask_mods:
+        for score_mod in score_mods:
+            if mask_mod is mask_mods[0] and score_mod is score_mods[0]:
+                continue  # the call as it is: not served
+            candidate = dict(arguments, score_mod=score_mod)
+            if block_mask is not None and mask_mod is not block_mask.mask_mod:
+                candidate["block_mask"] = copy.copy(block_mask)
+                candidate["block_mask"].mask_mod = mask_mod
+            if dynamo_hit(candidate, warm.served_by, mode, dynamic):
+                return candidate
+    return None
+
+
+def _equivalents(warmed: dict[str, list[Any]], fn: Any, kind: Literal["mask", "score"]) -> list[Any]:
+    """``fn`` itself, then the warmed functions with its graph."""
+    graph = mod_graph(fn, kind) if fn is not None else None
+    return [fn, *(w for w in warmed.get(graph.key, ()) if w is not fn)] if graph is not None else [fn]
+
+
+def _mask_differs(coverage: Coverage) -> bool:
+    return bool(coverage.nearest) and "mask" in [d[0] for d in coverage.nearest[0].differences]
+
+
+def _mask_graphs(warm: Warmup, arguments: dict[str, Any]) -> str:
+    """The call's mask graph beside the warmed ones, for a refusal whose mask differs."""
+    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
+    graph = mod_graph(mask_mod, "mask") if mask_mod is not None else None
+    if graph is None:
+        return ""
+    lines = ["", "this call's mask_mod computes:", *(f"  {line}" for line in graph.text.splitlines())]
+    for key, fns in warm.masks.items():
+        warmed = mod_graph(fns[0], "mask")
+        if warmed is not None and key != graph.key:
+            lines += [
+                f"a warmed mask_mod ({mask_key(fns[0])}) computes:",
+                *(f"  {x}" for x in warmed.text.splitlines()),
+            ]
+    return "\n".join(lines)
+
+
 def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
     sig = coverage.signature
     hint = (
         "make the call as the recipe declares it (its [call] layout, scale and flags; the BlockMask from the "
-        "recipe's mask function; no score_mod), as the warm-up did (kernelpack.canonical); or activate(warmup=False), "
+        "recipe's mask function; its score_mod), as the warm-up did (kernelpack.canonical); or activate(warmup=False), "
         "where no other thread runs backward while a first call compiles"
     )
     if coverage.entry is None:
         reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(
             f"  {n.describe()}" for n in coverage.nearest
         )
+        if _mask_differs(coverage):
+            reason += _mask_graphs(warm, arguments)
         hint = (
             "add it to the recipe and rebuild; non-strict mode compiles uncovered calls only with "
             "activate(warmup=False), where no other thread runs backward while a first call compiles"
@@ -605,7 +680,7 @@ def _first_call_at_the_gate(
         return out
 
 
-def refusal(coverage: Coverage, artifact: str | None) -> NotPrecompiledError:
+def refusal(coverage: Coverage, artifact: str | None, *, detail: str = "") -> NotPrecompiledError:
     """Strict mode's error for an uncovered call: the call, the nearest covered signatures with what differs, and
     the one field that differs when only one does (device index: pinning; graph: the recipe's graphs)."""
     return NotPrecompiledError(
@@ -613,6 +688,7 @@ def refusal(coverage: Coverage, artifact: str | None) -> NotPrecompiledError:
         [n.describe() for n in coverage.nearest],
         artifact=artifact,
         only=coverage.only,
+        detail=detail,
     )
 
 

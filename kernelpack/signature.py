@@ -78,6 +78,7 @@ class CallParams:
     enable_gqa: bool | None = None  # None: q_heads != kv_heads (torch needs it then)
     return_lse: bool = False
     block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE  # the BlockMask's (Q, KV) block size
+    score_mod: str = "none"  # "none", "identity" (any function whose graph returns the score), or its graph's key
 
     def __post_init__(self) -> None:
         if self.enable_gqa is None:
@@ -173,7 +174,19 @@ def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool) -> Call
         enable_gqa=bool(arguments.get("enable_gqa", False)),
         return_lse=bool(arguments.get("return_lse", False)),
         block_size=tuple(block_mask.BLOCK_SIZE) if block_mask is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
+        score_mod=score_mod_key(arguments.get("score_mod")),
     )
+
+
+def score_mod_key(score_mod: Callable[..., Any] | None) -> str:
+    """How the call signature names a score_mod: by what it computes (:func:`mod_graph`), "identity" for any that
+    returns the score unchanged (transformers passes such a closure when it has no softcap), else "code#<digest>"."""
+    if score_mod is None:
+        return "none"
+    graph = mod_graph(score_mod, "score")
+    if graph is None:
+        return "code#" + _function_digest(score_mod, depth=0)[:12] if hasattr(score_mod, "__code__") else "opaque"
+    return "identity" if graph.text == "return score" else f"graph#{graph.key}"
 
 
 # ------------------------------------------------------------------------------------------------ mask fingerprints
@@ -228,3 +241,126 @@ def _code_digest(code: types.CodeType) -> bytes:
     for const in code.co_consts:
         h.update(_code_digest(const) if isinstance(const, types.CodeType) else repr(const).encode())
     return h.digest()
+
+
+# ------------------------------------------------------------------------------------------------ graphs of mods
+
+
+@dataclass(frozen=True, slots=True)
+class ModGraph:
+    """What a mask_mod or score_mod computes, as the torch operations it makes on its index (and score) arguments:
+    two functions with the same ``text`` compute the same thing for every input, whatever their names, files or code
+    objects; the same meaning in another op order is another graph (as it is in inductor's keys)."""
+
+    text: str
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:12]
+
+
+_MOD_ARGS = {"mask": ("b", "h", "q_idx", "kv_idx"), "score": ("score", "b", "h", "q_idx", "kv_idx")}
+# calls that turn a tensor into a Python value: what follows depends on the example value, not on the graph
+_CONCRETIZING = frozenset(("__bool__", "item", "__int__", "__index__", "__float__", "tolist", "__len__", "__iter__"))
+_mod_graphs: dict[tuple[Any, ...], ModGraph | None] = {}
+_MOD_GRAPHS_MAX = 4096
+
+
+def mod_graph(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph | None:
+    """The graph of a mask_mod (``kind="mask"``) or score_mod, recorded by running it once on 0-dim example tensors
+    under a TorchFunctionMode: not FX tracing, so it never sets torch.fx's process-global tracing flag, and it is
+    thread-local. A tensor it closes over enters by shape and dtype, not by value. None when the function cannot be
+    told by its graph (Python control flow on a tensor's value, or an error).
+
+    Recorded once per (code object, closure constants, closure-tensor metadata): a job that builds a new closure
+    every step pays a dict lookup, not a recording."""
+    key = _mod_cache_key(fn, kind)
+    if key is not None and key in _mod_graphs:
+        return _mod_graphs[key]
+    graph = _record(fn, kind)
+    if key is not None:
+        if len(_mod_graphs) >= _MOD_GRAPHS_MAX:
+            _mod_graphs.clear()
+        _mod_graphs[key] = graph
+    return graph
+
+
+def _mod_cache_key(fn: Any, kind: str, depth: int = 0) -> tuple[Any, ...] | None:
+    """What a function's graph depends on: its code, its defaults and the simple globals it reads, and per closure
+    cell a constant's value, a tensor's metadata or a function's own key. None when some part is not one of these
+    (then the graph is recorded for every call)."""
+    import torch
+
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 4:
+        return None
+    parts: list[Any] = [kind, code, repr(getattr(fn, "__defaults__", None))]
+    module_globals = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        value = module_globals.get(name)
+        if isinstance(value, (int, float, bool, str)):
+            parts.append((name, value))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, value.device.type))
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            value = None
+        if isinstance(value, torch.Tensor):
+            parts.append(("tensor", tuple(value.shape), value.dtype, value.device.type))
+        elif value is None or isinstance(value, (int, float, bool, str)):
+            parts.append((type(value).__name__, value))
+        elif hasattr(value, "__code__"):
+            sub = _mod_cache_key(value, kind, depth + 1)
+            if sub is None:
+                return None
+            parts.append(sub)
+        else:
+            return None
+    return tuple(parts)
+
+
+def _record(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph | None:
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    names = _MOD_ARGS[kind]
+    inputs = [torch.zeros((), dtype=torch.float32 if n == "score" else torch.int32) for n in names]
+    refs: dict[int, str] = {id(t): n for t, n in zip(inputs, names, strict=True)}
+    lines: list[str] = []
+    keep: list[Any] = []  # results stay alive while recording, so that their ids stay theirs
+
+    def ref(a: Any) -> str:
+        if isinstance(a, torch.Tensor):
+            return refs.get(id(a)) or f"tensor{tuple(a.shape)}:{str(a.dtype).removeprefix('torch.')}"
+        if isinstance(a, (list, tuple)):
+            return "(" + ", ".join(map(ref, a)) + ")"
+        if a is None or isinstance(a, (bool, int, float, str, torch.dtype)):
+            return repr(a)
+        return type(a).__name__
+
+    class Recorder(TorchFunctionMode):
+        concrete = False
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", str(func))
+            if name in _CONCRETIZING:
+                Recorder.concrete = True
+            out = func(*args, **kwargs)
+            keep.append(out)
+            call = ", ".join([*map(ref, args), *(f"{k}={ref(v)}" for k, v in sorted(kwargs.items()))])
+            if isinstance(out, torch.Tensor) and id(out) not in refs:
+                refs[id(out)] = f"%{len(lines)}"
+                lines.append(f"{refs[id(out)]} = {name}({call})")
+            return out
+
+    try:
+        with Recorder():
+            result = fn(*inputs)
+    except Exception:
+        return None
+    if Recorder.concrete or not isinstance(result, torch.Tensor):
+        return None
+    return ModGraph("\n".join([*lines, f"return {ref(result)}"]))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .canonical import call as canonical_call
 from .canonical import grad_output, make_inputs
-from .masks import block_mask_for, mask_for
+from .masks import block_mask_for, mask_for, score_mod_for
 from .runtime import flex_attention, guarded
 from .signature import mask_key
 
@@ -100,6 +100,7 @@ def reference_attention(
     import torch
 
     mask_mod = mask_for(config)
+    score_mod = score_mod_for(config)
     dev = q.device
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))
     do64 = dout.double() if dout is not None else None
@@ -122,6 +123,8 @@ def reference_attention(
                 q_idx = torch.arange(i0, i1, device=dev)[:, None]
                 allowed = mask_mod(b_t, h_t, q_idx, kv_idx).expand(i1 - i0, config.kv_len)
                 s = (q64[b, h, i0:i1] @ kk.T) * scale
+                if score_mod is not None:  # elementwise, on broadcast index tensors as flex evaluates it
+                    s = score_mod(s, b_t, h_t, q_idx, kv_idx)
                 s = s.masked_fill(~allowed, float("-inf"))
                 lse = torch.logsumexp(s, dim=-1, keepdim=True)
                 lse_all[b, h, i0:i1] = lse[:, 0]

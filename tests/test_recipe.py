@@ -104,6 +104,7 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"call": {"block_size": [128, 64, 32]}}, "call.block_size", "two of them"),
         ({"call": {"block_size": 0}}, "call.block_size", "positive"),
         ({"call": {"lse": True}}, "call.lse", "unknown key"),
+        ({"call": {"score_mod": "softcap"}}, "call.score_mod", "'softcap'"),
         ({"device": "cpu", "matrix.backward": False, "call": {"return_lse": True}}, "call.return_lse", "CPU"),
     ],
 )
@@ -146,6 +147,7 @@ def test_call_keys_expand_and_enter_the_id() -> None:
         "scale": 1.0,
         "return_lse": True,
         "block_size": [64, 64],
+        "score_mod": "none",
     }
     with pytest.raises(ConfigError, match="block_size: must be a positive integer or two of them"):
         dataclasses.replace(c, block_size=64)  # type: ignore[arg-type]

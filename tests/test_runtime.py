@@ -63,6 +63,9 @@ def test_strict_mode_refuses_an_uncovered_call_naming_it_and_the_nearest(smoke_a
     assert "sliding_window(64)" in out["error"] and "nearest covered configs" in out["error"]
     assert "q_len 256 vs 512" in out["error"] and "rebuild" in out["hint"]
     assert out["compiled"] == 0
+    # a mask in another op order: refused, and the error shows both graphs
+    assert "this call's mask_mod computes:\n  %0 = sub(q_idx, kv_idx)" in out["reordered"]
+    assert "computes:\n  %0 = ge(q_idx, kv_idx)" in out["reordered"]
 
 
 def test_non_strict_without_warm_up_compiles_under_the_lock_and_warns_once(
@@ -99,9 +102,11 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
     """Non-strict mode too: nothing compiles during training. Each refusal says why in Dynamo's words."""
     out = scenario("not_warmed", smoke_artifact, tmp_path)
     assert out["same_call"] == "served"  # another thread, a BlockMask rebuilt from the recipe's mask function
-    own = out["own_mask"]  # named by its code: not covered (masks by traced graph are for a later issue)
-    assert own["type"] == "NotWarmedError" and "does not cover it" in own["error"]
-    assert "mask 'sliding_window(64)' vs 'not_warmed.<locals>.own_mask#" in own["error"]
+    assert out["own_mask"] == "served"  # the user's own function, the same graph: masks by graph
+    other_order = out["reordered"]  # the same meaning in another op order: another graph, both shown
+    assert other_order["type"] == "NotWarmedError" and "does not cover it" in other_order["error"]
+    assert "this call's mask_mod computes:\n  %0 = sub(q_idx, kv_idx)" in other_order["error"]
+    assert "a warmed mask_mod (sliding_window(64)) computes:\n  %0 = ge(q_idx, kv_idx)" in other_order["error"]
     other = out["other_code"]  # covered by name, but Dynamo guards on the mask function's code object
     assert other["type"] == "NotWarmedError" and "warmed it" in other["error"] and "mask_mod" in other["error"]
     assert "recipe's mask function" in other["hint"]
@@ -256,13 +261,14 @@ dtypes = ["float32"]
 [call]
 layout = "bshd"
 scale = 0.25
+score_mod = "identity"
 """
 
 
 def test_an_hf_style_block_is_served_by_an_artifact_built_for_its_call(tmp_path: Path) -> None:
-    """Linear projections seen through .view().transpose(1, 2) and a scale (the lse is CUDA-only): built with `[call]`
-    keys, the block's own call compiles nothing in a fresh process; the contiguous call is refused, naming the
-    layout."""
+    """Linear projections seen through .view().transpose(1, 2), a scale and transformers' score_mod closure (an
+    identity without softcap; the lse is CUDA-only): built with `[call]` keys, the block's own call compiles nothing
+    in a fresh process; the contiguous call is refused, naming the layout."""
     from kernelpack.build import build_recipe
 
     recipe = tmp_path / "hf.toml"

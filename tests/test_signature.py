@@ -160,3 +160,46 @@ def test_the_signature_sees_how_a_model_calls_flex() -> None:
     assert mixed.layout == "q=bshd k=bhsd v=bshd"
     strided = signature_of({"query": q[:, :, ::2], "key": k, "value": v, "enable_gqa": True}, "default", False)
     assert strided.layout.startswith("q=strided(")
+
+
+def test_mod_graphs_tell_what_a_function_computes_not_its_name() -> None:
+    from kernelpack.masks import sliding_window
+    from kernelpack.signature import mod_graph
+
+    w = 64
+
+    def mine(b: object, h: object, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:  # other names, same graph
+        return (q >= kv) & (q - kv < w)
+
+    def reordered(b: object, h: object, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return (q - kv < w) & (q >= kv)
+
+    builtin = mod_graph(sliding_window(64), "mask")
+    assert builtin is not None and builtin.text.splitlines()[-1] == "return %3"
+    assert mod_graph(mine, "mask") == builtin and mod_graph(reordered, "mask") != builtin
+    assert mod_graph(sliding_window(128), "mask") != builtin  # a closure constant is part of the graph
+
+    def per_batch(anchors: torch.Tensor) -> object:  # a new closure every step, as the drafters build them
+        def mask_mod(b: torch.Tensor, h: object, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (q >= kv) & (kv >= anchors[b])
+
+        return mask_mod
+
+    graph = mod_graph(per_batch(torch.zeros(4, dtype=torch.int32)), "mask")  # type: ignore[arg-type]
+    assert graph is not None and "__getitem__(tensor(4,):int32, b)" in graph.text
+    # a closed-over tensor enters by shape and dtype, not by value
+    assert mod_graph(per_batch(torch.full((4,), 7, dtype=torch.int32)), "mask") == graph  # type: ignore[arg-type]
+    assert mod_graph(per_batch(torch.zeros(8, dtype=torch.int32)), "mask") != graph  # type: ignore[arg-type]
+
+    def branchy(b: object, h: object, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return q >= kv if q.item() > 3 else q < kv  # depends on a value, not on a graph
+
+    assert mod_graph(branchy, "mask") is None
+    softcap = None
+
+    def hf_score_mod(score: torch.Tensor, b: object, h: object, q: object, kv: object) -> torch.Tensor:
+        if softcap is not None:  # transformers' flex_attention_forward: an identity unless softcapping
+            score = softcap * torch.tanh(score / softcap)
+        return score
+
+    assert mod_graph(hf_score_mod, "score") == mod_graph(lambda score, b, h, q, kv: score, "score")
