@@ -444,6 +444,25 @@ def background_timeout(artifact: str, cache: str) -> dict[str, Any]:
     return {"early": early, "later": "served", "compiled": len(runtime.report().compiled)}
 
 
+class _RunInBackward(torch.autograd.Function):
+    """An identity whose backward runs a function: a stand-in for a checkpoint's recompute."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fn: Any) -> torch.Tensor:
+        ctx.fn = fn
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fn()
+        return g, None
+
+
+def _backward_running(fn: Any) -> None:
+    """A backward pass (a graph task, as on the engine's thread) during which ``fn`` runs."""
+    _RunInBackward.apply(torch.ones(1, requires_grad=True), fn).sum().backward()
+
+
 def synthetic_engine(artifact: str, cache: str) -> dict[str, Any]:
     """The deadlock of threads + gradient checkpointing, with one executor thread standing in for the autograd
     engine's device thread (on CPU the engine runs backward in the calling thread, so the real cycle cannot form).
@@ -461,15 +480,6 @@ def synthetic_engine(artifact: str, cache: str) -> dict[str, Any]:
     engine = _Engine(artifact)
     out: dict[str, Any] = {}
 
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            return engine.executor.submit(lambda: (engine.recompute(), g)[1]).result()
-
     def thread_a() -> None:
         try:
             call(engine.uncovered)
@@ -481,7 +491,7 @@ def synthetic_engine(artifact: str, cache: str) -> dict[str, Any]:
 
     def thread_b() -> None:
         engine.a_compiling.wait(60)
-        Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+        _backward_running(lambda: engine.executor.submit(engine.recompute).result())  # handed to the "engine"
         out["b"] = "done"
 
     t0 = time.perf_counter()
@@ -503,20 +513,13 @@ def backward_wait(artifact: str, cache: str) -> dict[str, Any]:
     engine = _Engine(artifact)
     out: dict[str, Any] = {}
 
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            out["in_backward"] = compiled.in_backward()
-            engine.recompute()
-            return g
+    def recompute_in_backward() -> None:
+        out["in_backward"] = compiled.in_backward()
+        engine.recompute()
 
     def engine_job() -> None:
         try:
-            Recompute.apply(torch.ones(1, requires_grad=True)).sum().backward()
+            _backward_running(recompute_in_backward)
             out["b"] = "done"
         except KernelpackError as e:
             out["b"] = str(e)
