@@ -36,7 +36,7 @@ from typing import Any
 MODES = ("none", "none-nowarm", "reentrant", "nonreentrant", "both")
 
 
-def child(artifact: str, mode: str, threads: int, cache: str) -> dict[str, Any]:
+def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = "canonical") -> dict[str, Any]:
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -64,7 +64,23 @@ def child(artifact: str, mode: str, threads: int, cache: str) -> dict[str, Any]:
         # elementwise "projections" keep q/k/v contiguous [B, H, S, D]: the canonical layout this artifact serves
         return runtime.flex_attention(xq * scale, xkv * scale, xkv + 0, block_mask=bm, enable_gqa=gqa)
 
+    modules: dict[tuple[str, str], Any] = {}  # --block hf: each thread its own model, as each drafter has
+
     def step_one(c: Any, reentrant: bool | None) -> None:
+        if block_kind == "hf":  # bench/hf_block.py: projections seen through .transpose(1, 2), the user's own mask
+            import hf_block
+
+            key = (threading.current_thread().name, c.id)
+            if key not in modules:
+                modules[key] = hf_block.Attention(c, runtime.flex_attention, device)
+            x = hf_block.hidden_states(c, device).requires_grad_()
+            hf_mask = hf_block.block_mask(c, device)  # torch's create_block_mask, rebuilt every step
+            if reentrant is None:
+                out = modules[key](x, hf_mask)
+            else:
+                out = checkpoint(modules[key], x, hf_mask, use_reentrant=reentrant)
+            out.float().square().mean().backward()
+            return
         xq, xkv, scale = inputs(c)
         bm = block_mask_for(c, device)  # rebuilt every step, as the drafters do
         if reentrant is None:
@@ -108,6 +124,7 @@ def child(artifact: str, mode: str, threads: int, cache: str) -> dict[str, Any]:
     rep = runtime.report()
     return {
         "mode": mode,
+        "block": block_kind,
         "threads": n,
         "configs": len(configs),
         "activate_s": activate_s,
@@ -137,12 +154,18 @@ def main() -> int:
     p.add_argument("--runs-for", default="", help="per-mode override, e.g. none=3,both=3")
     p.add_argument("--threads", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument(
+        "--block",
+        choices=("canonical", "hf"),
+        default="canonical",
+        help="canonical: contiguous q/k/v and kernelpack's masks; hf: bench/hf_block.py (needs a bshd artifact)",
+    )
     p.add_argument("--out", help="the JSON to write (required except in --child)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         try:
-            result = child(args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"])
+            result = child(args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"], args.block)
         except BaseException as e:
             result = {"mode": args.child, "crash": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print(json.dumps(result), flush=True)
@@ -158,6 +181,7 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="kp-ckpt-") as tmp:
                 env = dict(os.environ, KP_BENCH_CACHE=str(Path(tmp, "cache")))
                 cmd = [sys.executable, __file__, "--artifact", args.artifact, "--threads", str(args.threads)]
+                cmd += ["--block", args.block]
                 start = time.perf_counter()
                 try:
                     proc = subprocess.run(

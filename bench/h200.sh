@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
 #   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
-#                       ckpt-collect|all]
+#                       ckpt-collect|user-bg|user-collect|all]
+# RECIPE (default recipes/dflash-drafter.toml) is what build builds; user-bg needs recipes/dflash-drafter-bshd.toml.
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
 set -uo pipefail
@@ -26,7 +27,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == build || $what == all ]]; then
   rm -rf $ART_DIR; mkdir -p $ART_DIR
-  python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o $ART_DIR --jobs 6 2>&1 | tee "$OUT/build.log"
+  python3 -m kernelpack.cli build ${RECIPE:-recipes/dflash-drafter.toml} -o $ART_DIR --jobs 6 2>&1 | tee "$OUT/build.log"
   python3 -m kernelpack.cli inspect --json $ART_DIR/*.kpack > "$OUT/manifest.json"
   python3 -m kernelpack.cli verify --json $ART_DIR/*.kpack > "$OUT/verify.json"; echo "verify exit $?" | tee -a "$OUT/build.log"
 fi
@@ -66,6 +67,7 @@ fi
 if [[ $what == ckpt-bg ]]; then
   rm -rf /tmp/ckpt-out; mkdir -p /tmp/ckpt-out
   setsid nohup python3 bench/checkpoint_threads.py --artifact $ART_DIR/*.kpack --threads 3 --timeout 120 \
+    --block ${CKPT_BLOCK:-canonical} \
     --modes ${CKPT_MODES:-reentrant,nonreentrant,none,none-nowarm,both} --runs ${CKPT_RUNS:-10} \
     --runs-for "${CKPT_RUNS_FOR:-none=3,none-nowarm=3,both=3}" --out /tmp/ckpt-out/checkpoint_threads.json \
     > /tmp/ckpt-out/checkpoint_threads.log 2>&1 < /dev/null &
@@ -75,6 +77,23 @@ if [[ $what == ckpt-collect ]]; then
   if [[ ! -d /tmp/ckpt-out ]]; then echo "no background checkpoint benchmark on this machine (it went cold)"; exit 3; fi
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/ckpt-out/checkpoint_threads.json ]] && break; sleep 5; done
   cp /tmp/ckpt-out/* "$OUT/" 2>/dev/null; cat "$OUT/checkpoint_threads.log"
+fi
+# Issue 13: an HF-style block (bench/hf_block.py) served by a bshd artifact, then the checkpoint proof with that block;
+# detached, one after the other (they share the GPU), collected by user-collect.
+if [[ $what == user-bg ]]; then
+  rm -rf /tmp/user-out; mkdir -p /tmp/user-out
+  setsid nohup bash -c "python3 bench/user_block.py --artifact $ART_DIR/*.kpack --repeats ${USER_REPEATS:-3} \
+      --out /tmp/user-out/user_block.json > /tmp/user-out/user_block.log 2>&1; \
+    python3 bench/checkpoint_threads.py --artifact $ART_DIR/*.kpack --threads 3 --timeout 120 --block hf \
+      --modes ${CKPT_MODES:-reentrant,nonreentrant} --runs ${CKPT_RUNS:-5} \
+      --out /tmp/user-out/checkpoint_threads_hf.json > /tmp/user-out/checkpoint_threads_hf.log 2>&1; \
+    touch /tmp/user-out/done" > /dev/null 2>&1 < /dev/null &
+  echo "user-block benchmarks started in the background"
+fi
+if [[ $what == user-collect ]]; then
+  if [[ ! -d /tmp/user-out ]]; then echo "no background user-block benchmark on this machine (it went cold)"; exit 3; fi
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/user-out/done ]] && break; sleep 5; done
+  cp /tmp/user-out/* "$OUT/" 2>/dev/null; cat "$OUT/user_block.log" "$OUT/checkpoint_threads_hf.log" 2>/dev/null | tail -40
 fi
 if [[ $what == keep ]]; then cp $ART_DIR/*.kpack "$OUT/"; fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.

@@ -75,12 +75,13 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
     Path(result).write_text(json.dumps(out))
 
 
-def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: float) -> dict:
+def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: float, script: str = __file__) -> dict:
+    """One fresh process of ``script`` (this file, or bench/user_block.py, which shares the protocol)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
     env.pop("TRITON_CACHE_DIR", None)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
-    cmd = [sys.executable, __file__, "--child", mode, str(cache_dir), artifact, str(blob), result]
+    cmd = [sys.executable, script, "--child", mode, str(cache_dir), artifact, str(blob), result]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
         sys.exit(f"{mode} child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -178,6 +178,8 @@ class Manifest:
     kernelpack_version: str = __version__
     shard: str | None = None  # "i/n" for one shard of a recipe (build --shard)
     merged_from: tuple[str, ...] = ()
+    # the builder's settings that enter inductor's cache keys (compiled.key_settings); empty in older artifacts
+    key_settings: Mapping[str, str] = field(default_factory=dict, hash=False)
     _index: dict[CallSignature, BuiltConfig] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -256,6 +258,8 @@ class Manifest:
             d["shard"] = self.shard
         if self.merged_from:
             d["merged_from"] = list(self.merged_from)
+        if self.key_settings:
+            d["key_settings"] = dict(self.key_settings)
         return d
 
     def to_json(self) -> bytes:
@@ -309,6 +313,11 @@ class Manifest:
                 raise TypeError("created must be an integer")
             shard = data.get("shard")
             merged_from = _list(data.get("merged_from", []))
+            where = "key_settings"
+            key_settings = data.get("key_settings", {})
+            if not isinstance(key_settings, dict) or not all(isinstance(v, str) for v in key_settings.values()):
+                raise TypeError("must be an object of strings")
+            where = "manifest.json"
             return cls(
                 name=data["name"],
                 recipe=recipe,
@@ -320,6 +329,7 @@ class Manifest:
                 kernelpack_version=data.get("kernelpack_version", "?"),
                 shard=None if shard is None else str(shard),
                 merged_from=tuple(str(m) for m in merged_from),
+                key_settings=key_settings,
             )
         except ConfigError as e:
             raise ArtifactError(source, f"manifest.json is malformed: {where}: {e}") from None
@@ -479,6 +489,17 @@ def merge_manifests(manifests: Sequence[Manifest], names: Sequence[str]) -> Mani
             raise KernelpackError(
                 f"cannot merge {name}: built for another environment ({field_name}: {b!r} != {a!r} in {names[0]})",
                 hint="merge only shards built with the same torch build on the same GPU model",
+            )
+        if dict(m.key_settings) != dict(first.key_settings):
+            differ = sorted(
+                n
+                for n in m.key_settings.keys() | first.key_settings.keys()
+                if m.key_settings.get(n) != first.key_settings.get(n)
+            )
+            raise KernelpackError(
+                f"cannot merge {name}: built under other settings that enter inductor's cache keys than {names[0]} "
+                f"({', '.join(differ[:8])})",
+                hint="build every shard with the same inductor config and environment",
             )
         if m.recipe.get("sha256") != first.recipe.get("sha256"):
             raise KernelpackError(

@@ -8,6 +8,7 @@ device (compilation is CPU-bound). The per-config caches are merged into one art
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from typing import Any
 
 from . import _worker, evidence
 from . import artifact as art
+from .compiled import key_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
 from .recipe import Config, Recipe, load_recipe
@@ -36,6 +38,7 @@ class ConfigOutcome:
     counters: dict[str, int] = field(default_factory=dict)
     build_key: dict[str, str] | None = None
     mask_key: str = ""
+    key_settings: dict[str, str] = field(default_factory=dict)
     message: str = ""
     log_tail: str = ""
     cache_dir: Path | None = None
@@ -150,6 +153,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         counters=r.get("counters", {}),
         build_key=r.get("build_key"),
         mask_key=r.get("mask_key", ""),
+        key_settings=r.get("key_settings", {}),
         message="; ".join(messages),
         log_tail=outcome.log_tail,
         cache_dir=cache_dir,
@@ -168,6 +172,15 @@ def _package(
     if len(keys) != 1:
         raise BuildError(f"workers reported different build keys: {sorted(map(str, keys))}")
     (key,) = keys
+    if len({json.dumps(o.key_settings, sort_keys=True) for o in built}) != 1:
+        first = built[0].key_settings
+        names = sorted(
+            {n for o in built for n in o.key_settings.keys() | first.keys() if o.key_settings.get(n) != first.get(n)}
+        )
+        raise BuildError(
+            f"workers compiled under different settings that enter inductor's cache keys: {', '.join(names)}; the "
+            "artifact would serve only some processes"
+        )
     # Merge: for a path more than one worker wrote, the first (by config id, then device) wins: deterministic.
     sources: dict[str, Path] = {}
     for o in built:
@@ -183,6 +196,7 @@ def _package(
         build_key=key,
         files={e.path: e for e in art.hash_files(sources)},
         shard=None if shard is None else f"{shard[0]}/{shard[1]}",
+        key_settings=built[0].key_settings,
     )
     return art.pack(out_dir / manifest.name, manifest, sources, level=level), manifest
 
@@ -240,6 +254,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "counters": evidence.delta(before, evidence.snapshot()),
         "build_key": probe(config.device, index).to_dict(),
         "mask_key": call.mask_key,
+        "key_settings": key_settings(config.device),
         "problem": check_errors(config, call.errors),
     }
 

@@ -53,7 +53,10 @@ def make_inputs(
         return t.requires_grad_(graph == "fwd+bwd")
 
     q = rand(config.q_heads, config.q_len)
-    return q, rand(config.kv_heads, config.kv_len), rand(config.kv_heads, config.kv_len)
+    k = q if config.alias in ("q=k", "q=k=v") else rand(config.kv_heads, config.kv_len)
+    shared = {"k=v": k, "q=v": q, "q=k=v": q}.get(config.alias)
+    v = shared if shared is not None else rand(config.kv_heads, config.kv_len)
+    return q, k, v
 
 
 def grad_output(q: torch.Tensor, *, random: bool = True) -> torch.Tensor:
@@ -84,6 +87,9 @@ def call(
     lse = None
     if config.return_lse:
         out, lse = out
+    elif config.return_aux != "none":
+        out, aux = out
+        lse = aux.lse
     if graph == "fwd":
         return out, (), lse
     if dout is None:
@@ -111,4 +117,9 @@ def arguments(
         args["scale"] = config.scale
     if config.return_lse:
         args["return_lse"] = True
+    if config.return_aux != "none":
+        from torch.nn.attention.flex_attention import AuxRequest  # torch >= 2.9
+
+        wanted = config.return_aux.split("+")
+        args["return_aux"] = AuxRequest(lse="lse" in wanted, max_scores="max_scores" in wanted)
     return args

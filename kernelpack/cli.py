@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KernelpackError as e:
         if verbose:
             raise
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {e.message}", err=True)
         if e.hint:
             click.echo(f"hint: {e.hint}", err=True)
         return 1

@@ -198,6 +198,66 @@ def apply_thread_config() -> None:
             setattr(dconfig, acc, 4 * _recompile_floor)
 
 
+# ------------------------------------------------------------------------------------------ settings in the keys
+
+
+def key_settings(device_type: str) -> dict[str, str]:
+    """The process-wide settings that enter inductor's FX-graph and AOTAutograd cache keys besides the graph and its
+    inputs (torch/_inductor/codecache.py ``FxGraphHashDetails``, torch 2.11-2.13), as ``name -> repr``: every
+    portable inductor and functorch config value, deterministic algorithms, the default dtype, the CUDA matmul
+    precision flags, and on CPU the thread count C++ kernels specialize on. A process whose settings differ from the
+    builder's misses every entry, whatever kernelpack's call signatures say."""
+    import torch
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    def portable(module: Any) -> dict[str, Any]:
+        try:
+            return dict(module.save_config_portable(ignore_private_configs=False))
+        except TypeError:  # torch < 2.7: no ignore_private_configs
+            return dict(module.save_config_portable())
+
+    out: dict[str, str] = {}
+    for prefix, module in (("inductor", inductor_config), ("functorch", functorch_config)):
+        for name, value in portable(module).items():
+            out[f"{prefix}.{name}"] = _stable_repr(value)
+    out["deterministic_algorithms"] = repr(
+        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    )
+    out["default_dtype"] = str(torch.get_default_dtype())
+    matmul = torch.backends.cuda.matmul
+    out["cuda_matmul"] = repr(
+        tuple(
+            getattr(matmul, name, None)
+            for name in (
+                "allow_tf32",
+                "allow_fp16_reduced_precision_reduction",
+                "allow_bf16_reduced_precision_reduction",
+            )
+        )
+    )
+    if (
+        device_type == "cpu"
+        and inductor_config.cpp.threads < 1
+        and not getattr(inductor_config.cpp, "dynamic_threads", False)
+    ):
+        out["cpu_threads"] = str(torch.get_num_threads())
+    return out
+
+
+def _stable_repr(value: Any) -> str:
+    # a function or object repr carries its address, different in every process: its type stands in
+    text = repr(value)
+    return f"<{type(value).__qualname__}>" if " at 0x" in text or " object at " in text else text
+
+
+def key_settings_differences(built: Mapping[str, str], device_type: str) -> list[tuple[str, str, str]]:
+    """(name, builder's value, this process's value) for every key setting that differs; names one side lacks are
+    skipped (another torch build is refused by the build key, not here)."""
+    here = key_settings(device_type)
+    return [(name, built[name], here[name]) for name in sorted(built) if name in here and here[name] != built[name]]
+
+
 # ---------------------------------------------------------------------------------------------------- the gate
 
 

@@ -17,8 +17,13 @@ class KernelpackError(Exception):
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
+        self.message = message
         if hint is not None:
             self.hint = hint
+
+    def __str__(self) -> str:
+        # the hint travels with the error wherever it is printed: a traceback, a log line, Dynamo re-raising it
+        return f"{self.message}\nhint: {self.hint}" if self.hint else self.message
 
 
 class KernelpackWarning(UserWarning):

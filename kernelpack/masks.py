@@ -114,9 +114,10 @@ def block_mask(
 ) -> BlockMask:
     """The BlockMask exactly as the builder makes it.
 
-    Its tensors are graph inputs, so their shapes are part of the cache key: keep B/H as None (broadcast) unless the
-    mask really depends on the batch or head index, and the block size the recipe builds (default 128). A mask_mod
-    may say it needs per-batch or per-head blocks by carrying ``per_batch = True`` / ``per_head = True`` attributes.
+    Its tensors are graph inputs, so their shapes are part of the cache key: ``batch`` / ``heads`` give it one block
+    table per batch element / head (the recipe's ``[call] mask_dims``); None (the default) broadcasts. Keep them None
+    unless the mask really depends on the batch or head index, and the block size the recipe builds (default 128). A
+    mask_mod that needs per-batch or per-head blocks says so with ``per_batch = True`` / ``per_head = True``.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -124,21 +125,35 @@ def block_mask(
         raise KernelpackError("this mask_mod is per-batch: pass batch=", hint="block_mask(..., batch=B)")
     if getattr(mask_mod, "per_head", False) and heads is None:
         raise KernelpackError("this mask_mod is per-head: pass heads=", hint="block_mask(..., heads=H)")
-    b = batch if getattr(mask_mod, "per_batch", False) else None
-    h = heads if getattr(mask_mod, "per_head", False) else None
     # create_block_mask traces the mask_mod (vmap, fx node meta) with torch state that a concurrent compile in another
     # thread also uses; so it waits while a first call compiles or loads, like any other kernelpack call.
     with outside_first_calls():
-        return create_block_mask(mask_mod, b, h, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
+        return create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
 
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:
+    """The BlockMask of a recipe point: its mask, block size and B/H (``[call] mask_dims``)."""
+    mask_mod = mask_for(config)
+    dims = config.mask_dims.split("+")
+    for attr, dim in (("per_batch", "per-batch"), ("per_head", "per-head")):
+        if getattr(mask_mod, attr, False) and dim not in dims and _dim_size(config, dim) > 1:
+            raise KernelpackError(
+                f"mask {config.mask_label!r} needs a {dim} BlockMask, but config {config.id} declares mask_dims "
+                f"{config.mask_dims!r}",
+                hint=f'declare it in the recipe: [call] mask_dims = "{dim}" (or "per-batch+per-head")',
+            )
+    per_batch = "per-batch" in dims or getattr(mask_mod, "per_batch", False)
+    per_head = "per-head" in dims or getattr(mask_mod, "per_head", False)
     return block_mask(
-        mask_for(config),
+        mask_mod,
         config.q_len,
         config.kv_len,
         device,
-        batch=config.batch,
-        heads=config.q_heads,
+        batch=config.batch if per_batch else None,
+        heads=config.q_heads if per_head else None,
         block_size=config.block_size,
     )
+
+
+def _dim_size(config: Config, dim: str) -> int:
+    return config.batch if dim == "per-batch" else config.q_heads

@@ -28,6 +28,9 @@ Example (``recipes/smoke-cpu.toml``)::
     enable_gqa = false                # default: q_heads != kv_heads
     block_size = 128                  # the BlockMask's block size, or [q_block, kv_block]
     score_mod = "identity"            # "none" (default) or "identity": any score_mod that returns the score
+    return_aux = "none"               # or "lse", "max_scores", "lse+max_scores": return_aux=AuxRequest(...)
+    mask_dims = "broadcast"           # or "per-batch", "per-head", "per-batch+per-head": the BlockMask's B and H
+    alias = "none"                    # or "k=v", "q=k=v", ...: one tensor object passed for several of q, k, v
 
     [kernel_options]                  # passed verbatim to flex_attention
 """
@@ -45,12 +48,15 @@ from typing import Any
 
 from .errors import ConfigError, RecipeError
 from .signature import (
+    ALIASES,
     COMPILE_MODES,
     DEFAULT_BLOCK_SIZE,
     DEVICES,
     DTYPES,
     GRAPHS,
     LAYOUTS,
+    MASK_DIMS,
+    RETURN_AUX,
     CallParams,
     CallSignature,
     Graph,
@@ -77,7 +83,17 @@ _MATRIX_KEYS = (
     "backward",
 )
 _COMPILE_KEYS = ("mode", "dynamic")
-_CALL_KEYS = ("layout", "scale", "return_lse", "enable_gqa", "block_size", "score_mod")
+_CALL_KEYS = (
+    "layout",
+    "scale",
+    "return_lse",
+    "enable_gqa",
+    "block_size",
+    "score_mod",
+    "return_aux",
+    "mask_dims",
+    "alias",
+)
 SCORE_MODS = ("none", "identity")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
@@ -101,7 +117,11 @@ _RECIPE_KEY = {
     "enable_gqa": "call.enable_gqa",
     "block_size": "call.block_size",
     "score_mod": "call.score_mod",
+    "return_aux": "call.return_aux",
+    "mask_dims": "call.mask_dims",
+    "alias": "call.alias",
 }
+_ID_IF_SET = {"return_aux": "none", "mask_dims": "broadcast", "alias": "none"}
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
 
@@ -187,8 +207,10 @@ class Config(CallParams):
 
     @property
     def id(self) -> str:
-        """Stable across processes, machines and Python versions: a hash of the normalized parameters."""
-        return hashlib.sha256(_canonical_json(self.to_dict()).encode()).hexdigest()[:12]
+        """Stable across processes, machines and Python versions: a hash of the normalized parameters. Fields added
+        since 0.2 enter it only when not at their default, so that older artifacts' configs keep their ids."""
+        d = {k: v for k, v in self.to_dict().items() if not (k in _ID_IF_SET and v == _ID_IF_SET[k])}
+        return hashlib.sha256(_canonical_json(d).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
         return f"{self.id} {self._describe(self.mask_label, self.device, ' & '.join(self.graphs))}"
@@ -245,6 +267,20 @@ def _validate(c: Config) -> None:
         raise ConfigError("enable_gqa", f"must be true when q_heads={c.q_heads} != kv_heads={c.kv_heads}", value=False)
     if not (isinstance(c.block_size, tuple) and len(c.block_size) == 2 and all(map(_positive_int, c.block_size))):
         raise ConfigError("block_size", "must be a positive integer or two of them", value=c.block_size)
+    if c.return_aux not in RETURN_AUX:
+        raise ConfigError("return_aux", "unknown value", value=c.return_aux, allowed=RETURN_AUX)
+    if c.return_aux != "none" and c.return_lse:
+        raise ConfigError("return_aux", "torch refuses return_lse together with return_aux", value=c.return_aux)
+    if c.return_aux != "none" and c.device == "cpu":
+        raise ConfigError(
+            "return_aux", "compiled flex_attention on CPU returns no auxiliary outputs", value=c.return_aux
+        )
+    if c.mask_dims not in MASK_DIMS:
+        raise ConfigError("mask_dims", "unknown value", value=c.mask_dims, allowed=MASK_DIMS)
+    if c.alias not in ALIASES:
+        raise ConfigError("alias", "unknown value", value=c.alias, allowed=ALIASES)
+    if "q=" in c.alias and (c.q_heads, c.q_len) != (c.kv_heads, c.kv_len):
+        raise ConfigError("alias", "q can be k or v only when q_heads == kv_heads and q_len == kv_len", value=c.alias)
     if c.score_mod not in SCORE_MODS:
         raise ConfigError("score_mod", "unknown score_mod", value=c.score_mod, allowed=SCORE_MODS)
     if c.mode not in COMPILE_MODES:
@@ -355,6 +391,9 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         "return_lse": call.get("return_lse", False),
         "block_size": block,
         "score_mod": call.get("score_mod", "none"),
+        "return_aux": call.get("return_aux", "none"),
+        "mask_dims": call.get("mask_dims", "broadcast"),
+        "alias": call.get("alias", "none"),
     }
     if "enable_gqa" in call:
         call_params["enable_gqa"] = call["enable_gqa"]
@@ -410,7 +449,14 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
             "graphs": list(graphs),
         },
         "compile": {"mode": mode, "dynamic": dynamic},
-        "call": {"layout": layouts, **{k: list(v) if isinstance(v, tuple) else v for k, v in call_params.items()}},
+        "call": {
+            "layout": layouts,
+            **{
+                k: list(v) if isinstance(v, tuple) else v
+                for k, v in call_params.items()
+                if not (k in _ID_IF_SET and v == _ID_IF_SET[k])  # as in Config.id: older recipes keep their sha256
+            },
+        },
         "kernel_options": dict(sorted(kernel_options.items())),
     }
     return Recipe(name=name, device=device, configs=configs, normalized=normalized)

@@ -52,6 +52,7 @@ from .compiled import (
     gate,
     guard_failure,
     in_backward,
+    key_settings_differences,
     recompile_floor_for,
     serving_entry,
     wait_for_foreign_fx_trace,
@@ -79,9 +80,12 @@ def install(
     process at it: TORCHINDUCTOR_CACHE_DIR, and Dynamo's recompile limit raised to cover the artifact. A warning says
     so if torch already compiled with another directory. No runtime guard: :func:`activate` adds it.
 
-    Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``.
+    Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``;
+    warns when this process's settings that enter inductor's cache keys differ from the builder's.
     """
-    return _start(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
+    result = _start(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
+    _check_key_settings(result.manifest, strict=False)
+    return result
 
 
 def install_from(
@@ -95,7 +99,7 @@ def install_from(
 ) -> InstallResult:
     """:func:`install` of the registry's artifact of ``recipe`` built for this environment (downloaded once per node;
     with ``lock``, only the pinned sha256)."""
-    return _start(
+    result = _start(
         None,
         cache_dir,
         registry=registry,
@@ -104,6 +108,8 @@ def install_from(
         storage_options=storage_options,
         device_index=device_index,
     )
+    _check_key_settings(result.manifest, strict=False)
+    return result
 
 
 def _start(
@@ -126,6 +132,31 @@ def _start(
     result = install_artifact(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
     _configure_process(result)
     return result
+
+
+def _check_key_settings(manifest: Manifest, strict: bool) -> None:
+    """The settings that enter inductor's cache keys (inductor and functorch config, deterministic algorithms,
+    matmul precision, CPU threads: :func:`kernelpack.compiled.key_settings`) as the builder had them: otherwise every
+    entry misses. Strict: refused, naming each; else a warning."""
+    if not manifest.key_settings:
+        return
+    differ = key_settings_differences(manifest.key_settings, manifest.build_key.device_type)
+    if not differ:
+        return
+    lines = [f"  {name}: built with {built}, here {here}" for name, built, here in differ[:12]]
+    if len(differ) > 12:
+        lines.append(f"  ... and {len(differ) - 12} more")
+    message = (
+        f"{manifest.name} was built under other settings that enter inductor's cache keys; every call would miss:\n"
+        + "\n".join(lines)
+    )
+    hint = (
+        "set them as the builder had them before activate() (torch._inductor.config.X = ..., "
+        "torch.set_num_threads(N), TORCHINDUCTOR_* variables), or rebuild the recipe under this process's settings"
+    )
+    if strict:
+        raise KernelpackError(message, hint=hint)
+    warnings.warn(f"kernelpack: {message}\n{hint}", KernelpackWarning, stacklevel=4)
 
 
 def _configure_process(result: InstallResult) -> None:
@@ -255,6 +286,8 @@ class _State:
     first_calls: list[FirstCall] = field(default_factory=list)
     refused: list[tuple[CallSignature, str]] = field(default_factory=list)
     warned: set[CallSignature] = field(default_factory=set)
+    warned_sites: set[str] = field(default_factory=set)  # call sites warned of a compile kernelpack only observed
+    since: int = 0  # evidence records from this mark on are this activation's
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -310,10 +343,13 @@ def activate(
             allow_mismatch=allow_mismatch,
             device_index=device_index,
         )
+        _check_key_settings(result.manifest, strict)
         warm = Warmup(background=warmup == "background") if warmup else None
         activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
     global _state
-    _state = state = _State(active=activation)  # only now: a failed activate() leaves the previous one in force
+    # only now: a failed activate() leaves the previous one in force
+    _state = state = _State(active=activation, since=evidence.next_seq())
+    evidence.watch_compiles(_observed, _refuse_foreign_compile)
     if activation.warmup is not None:
         if activation.warmup.background:
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
@@ -399,19 +435,18 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
     with gate.exclusive():
-        before = evidence.snapshot()
-        t0 = time.perf_counter()
-        canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
-        if config.device == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - t0
-        counters = evidence.delta(before, evidence.snapshot())
+        with _measured(_Call("kernelpack warm-up", sig)) as measured:
+            canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
+            if config.device == "cuda":
+                torch.cuda.synchronize(device)
         with contextlib.suppress(RuntimeError), torch.set_grad_enabled(sig.graph == "fwd+bwd"):
             # the entry Dynamo now serves this call from (None: none passes, it would trace again)
             warm.entries[sig] = serving_entry(canonical_arguments(config, inputs, bm), config.mode, config.dynamic)
     warm.signatures.add(sig)
     with state.lock:
-        state.first_calls.append(FirstCall(sig, config.id, threading.current_thread().name, seconds, counters, True))
+        state.first_calls.append(
+            FirstCall(sig, config.id, threading.current_thread().name, measured.seconds, measured.counters, True)
+        )
 
 
 # ------------------------------------------------------------------------------------------------ the guard
@@ -474,7 +509,8 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
         # input's requires_grad, so this is what lets one warmed entry serve inference, a forward with grad mode on,
         # and reentrant checkpointing's forward (no_grad on inputs that require grad). Not with a score_mod that
         # closes over tensors: they may require grad.
-        detached = dict(arguments, query=query.detach(), key=qkv[1].detach(), value=qkv[2].detach())
+        plain = {id(t): t.detach() for t in qkv}  # one tensor passed twice stays one (alias is in the signature)
+        detached = dict(arguments, query=plain[id(qkv[0])], key=plain[id(qkv[1])], value=plain[id(qkv[2])])
         with torch.no_grad():
             return _guarded_call(mode, dynamic, detached)
     state = _state
@@ -662,19 +698,12 @@ def _first_call_at_the_gate(
                     stacklevel=4,
                 )
         wait_for_foreign_fx_trace(limit)
-        before = evidence.snapshot()
-        start = time.perf_counter()
-        out = fn(**arguments)
-        if sig.device_index is not None:
-            torch.cuda.synchronize(arguments["query"].device)
+        with _measured(_Call("kernelpack.flex_attention", sig)) as measured:
+            out = fn(**arguments)
+            if sig.device_index is not None:
+                torch.cuda.synchronize(arguments["query"].device)
         state.first_calls.append(
-            FirstCall(
-                sig,
-                config_id,
-                threading.current_thread().name,
-                time.perf_counter() - start,
-                evidence.delta(before, evidence.snapshot()),
-            )
+            FirstCall(sig, config_id, threading.current_thread().name, measured.seconds, measured.counters)
         )
         state.ready.add(sig)
         return out
@@ -692,43 +721,221 @@ def refusal(coverage: Coverage, artifact: str | None, *, detail: str = "") -> No
     )
 
 
+# ------------------------------------------------------------------------------------------- what torch compiled
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What kernelpack was doing in a thread (an :func:`evidence.tagged` tag): the code path and the call."""
+
+    path: str
+    signature: CallSignature
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What the runtime makes of a compile torch reported (:class:`evidence.CompileRecord`'s ``note``): which code
+    path made it, the flex_attention call when it is one, and how it differs from the nearest covered signature."""
+
+    # "kernelpack warm-up", "kernelpack.flex_attention", "torch.compile(flex_attention)", "other compiled code"
+    path: str
+    signature: CallSignature | None = None
+    covered_by: str | None = None  # the artifact's config that covers the call
+    nearest: str | None = None  # the nearest covered signature, described
+    differences: tuple[tuple[str, Any, Any], ...] = ()  # (field, this call's value, the nearest covered value)
+
+
+@dataclass(slots=True)
+class _Measured:
+    seconds: float = 0.0
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _measured(tag: _Call) -> Any:
+    """Time a call and count what it compiled from torch's per-compile records of the compiles it made (tagged in
+    this thread; a lazy backward compile on the autograd engine's thread carries its forward's tag), so that a
+    compile another thread makes meanwhile is not charged to it. Where torch does not count per compile, the
+    process-wide counter delta stands in."""
+    measured = _Measured()
+    mark = evidence.next_seq()
+    before = evidence.snapshot()
+    start = time.perf_counter()
+    with evidence.tagged(tag):
+        yield measured
+    measured.seconds = time.perf_counter() - start
+    delta = evidence.delta(before, evidence.snapshot())
+    records = [r for r in evidence.compile_records(mark) if r.tag is tag]
+    if records and all(r.fx_hits is not None for r in records):
+        counters = {k: 0 for k in delta}
+        for r in records:
+            for k, v in r.counters.items():
+                counters[k] += v
+        counters["dense_calls"] = sum(1 for d in evidence.dense_records(mark) if d.tag is tag)
+        measured.counters = counters
+    else:
+        measured.counters = delta
+
+
+def _observe(state: _State, record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -> Observed:
+    if isinstance(record.tag, _Call):
+        sig: CallSignature | None = record.tag.signature
+        path = record.tag.path
+    elif isinstance(record.note, Observed):  # a lazy backward: its forward's
+        return record.note
+    elif _is_flex_call(frame):
+        assert frame is not None
+        sig, path = _signature_or_none(frame), "torch.compile(flex_attention)"
+    elif "flex_attention.py" in record.code:
+        # flex_attention called eagerly: torch runs it through torch.compile(backend="eager"), then the dense path
+        return Observed("flex_attention (eager)")
+    else:
+        return Observed("other compiled code")
+    if sig is None or state.active is None:
+        return Observed(path, sig)
+    coverage = state.active.covers(sig)
+    if coverage.entry is not None:
+        return Observed(path, sig, covered_by=coverage.entry.id)
+    nearest = coverage.nearest[0] if coverage.nearest else None
+    return Observed(
+        path,
+        sig,
+        nearest=nearest.signature.describe() if nearest else None,
+        differences=tuple((f, call, covered) for f, covered, call in nearest.differences) if nearest else (),
+    )
+
+
+def _is_flex_call(frame: Mapping[str, Any] | None) -> bool:
+    return frame is not None and all(n in frame for n in ("query", "key", "value", "block_mask", "score_mod"))
+
+
+def _signature_or_none(frame: Mapping[str, Any]) -> CallSignature | None:
+    # the user's own torch.compile: its mode and dynamic are not in the frame; the defaults stand in
+    try:
+        return signature_of(frame, "default", False)
+    except Exception:
+        log.debug("no call signature for a compiled flex_attention frame", exc_info=True)
+        return None
+
+
+def _observed(record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -> None:
+    """Every compile torch makes after activate() (evidence's callback, in the compiling thread): attributed to
+    its code path and call; one that compiled something outside kernelpack's own entry warns, once per call site."""
+    state = _state
+    if state.active is None or record.seq < state.since:
+        return
+    record.note = observed = _observe(state, record, frame)
+    if not record.missed or observed.path.startswith("kernelpack"):
+        return  # kernelpack's own first calls are in report().first_calls, and warn there
+    where = record.site or record.code
+    with state.lock:
+        if where in state.warned_sites:
+            return
+        state.warned_sites.add(where)
+    warnings.warn(
+        f"kernelpack: {_miss_text(record, observed)}. This first step is not served by {state.active.artifact}; "
+        "kernelpack.runtime.report() lists every such compile",
+        KernelpackWarning,
+        stacklevel=2,
+    )
+
+
+def _miss_text(record: evidence.CompileRecord, observed: Observed) -> str:
+    what = evidence.compiled_anything(record.counters)
+    text = f"{observed.path} compiled {record.code} at {record.site or 'an unknown site'} ({', '.join(what)})"
+    if observed.signature is not None:
+        text += f" for {observed.signature.describe()}"
+        if observed.covered_by is not None:
+            text += f", which config {observed.covered_by} covers (torch keyed it otherwise: kernelpack verify)"
+        elif observed.differences:
+            diffs = ", ".join(f"{f} {call!r} vs {covered!r}" for f, call, covered in observed.differences)
+            text += f"; the nearest covered call differs in {diffs}"
+    return text
+
+
+def _refuse_foreign_compile(frame: Mapping[str, Any] | None) -> None:
+    """Strict mode, as Dynamo starts compiling a flex_attention call outside kernelpack's entry (the user's own
+    ``torch.compile(flex_attention)``): refuse an uncovered call before it compiles. Dynamo re-raises the error as
+    ``InternalTorchDynamoError("NotPrecompiledError: ...")``. Best effort: torch runs this callback only for the
+    first of compiles in flight at once; the rest are reported and warned of."""
+    state = _state
+    active = state.active
+    if active is None or not active.strict or active.manifest is None or not _is_flex_call(frame):
+        return
+    assert frame is not None
+    sig = _signature_or_none(frame)
+    if sig is None:
+        return
+    coverage = active.covers(sig)
+    if coverage.entry is not None:
+        return
+    with state.lock:
+        state.refused.append((sig, "not covered by the artifact (strict mode; torch.compile(flex_attention))"))
+    raise refusal(
+        coverage,
+        active.artifact,
+        detail="made by torch.compile(flex_attention) outside kernelpack's entry: kernelpack.flex_attention takes "
+        "the same arguments and refuses before Dynamo wraps the error",
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- report
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeReport:
+    """What this process compiled and ran since :func:`activate`. ``to_dict()`` is its JSON form (docs/REPORT.md)."""
+
     first_calls: list[FirstCall]  # the warm-up's, then the job's (without warm-up)
-    refused: list[tuple[CallSignature, str]] = field(default_factory=list)  # calls refused after the warm-up, why
+    refused: list[tuple[CallSignature, str]] = field(default_factory=list)  # calls refused, and why
     warmup_seconds: float | None = None  # what activate()'s warm-up took; None without one
+    compiles: list[evidence.CompileRecord] = field(default_factory=list)  # every compile torch made, any code path
+    dense: list[evidence.DenseRecord] = field(default_factory=list)  # every dense flex_attention call
+    compile_detection: str = ""  # how compiles were seen (evidence.compile_detection)
 
     @property
     def compiled(self) -> list[FirstCall]:
+        """The first calls that compiled something."""
         return [c for c in self.first_calls if c.compiled]
+
+    @property
+    def misses(self) -> list[evidence.CompileRecord]:
+        """Every compile that compiled something (a cache miss or a kernel), whatever code path made it."""
+        return [r for r in self.compiles if r.missed]
 
     @property
     def first_call_seconds(self) -> float:
         return sum(c.seconds for c in self.first_calls)
 
     def summary(self) -> str:
-        kernels = sum(
-            c.counters.get("triton_compiled", 0) + c.counters.get("cpp_compiled", 0) for c in self.first_calls
-        )
-        misses = sum(c.counters.get("inductor.fxgraph_cache_miss", 0) for c in self.first_calls)
-        warm = sum(c.warmup for c in self.first_calls)
+        misses = self.misses
+        kernels = sum(r.triton_compiled + r.cpp_compiled for r in self.compiles)
+        fx = sum(r.fx_misses or 0 for r in self.compiles)
+        aot = sum(r.aot_misses or 0 for r in self.compiles)
         text = (
-            f"{kernels} kernels compiled, {misses} FX-graph misses over {len(self.first_calls)} first calls "
-            f"({self.first_call_seconds:.2f} s"
+            f"{len(misses)} of {len(self.compiles)} compiles missed ({fx} FX-graph misses, {aot} AOTAutograd misses, "
+            f"{kernels} kernels compiled)"
         )
-        if warm:
-            text += f"; {warm} made by the warm-up"
-        text += ")"
+        if any(r.fx_hits is None for r in self.compiles):
+            text += " [this torch does not count cache misses per compile]"
+        outside = [r for r in misses if not _path(r).startswith("kernelpack")]
+        if outside:
+            paths = sorted({_path(r) for r in outside})
+            text += f", {len(outside)} outside kernelpack's entry ({', '.join(paths)})"
+        warm = sum(c.warmup for c in self.first_calls)
+        text += f"; {len(self.first_calls)} first calls ({self.first_call_seconds:.2f} s"
+        text += f", {warm} by the warm-up)" if warm else ")"
+        if self.dense:
+            text += f"; {len(self.dense)} dense flex_attention calls"
         if self.refused:
             text += f"; {len(self.refused)} calls refused"
         return text
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "schema": REPORT_SCHEMA,
             "summary": self.summary(),
+            "compile_detection": self.compile_detection,
             "warmup_seconds": self.warmup_seconds,
             "first_calls": [
                 {
@@ -742,20 +949,64 @@ class RuntimeReport:
                 }
                 for c in self.first_calls
             ],
+            "compiles": [_compile_dict(r) for r in self.compiles],
+            "dense": [{**evidence.fields_of(d), "path": _path(d)} for d in self.dense],
             "refused": [{"call": sig.describe(), "why": why} for sig, why in self.refused],
         }
 
 
+REPORT_SCHEMA = 2  # docs/REPORT.md; bumped when a key changes meaning or goes away
+
+
+def _path(record: evidence.CompileRecord | evidence.DenseRecord) -> str:
+    if isinstance(record.tag, _Call):
+        return record.tag.path
+    note = getattr(record, "note", None)
+    if isinstance(note, Observed):
+        return note.path
+    return "flex_attention (eager)" if isinstance(record, evidence.DenseRecord) else "other compiled code"
+
+
+def _compile_dict(r: evidence.CompileRecord) -> dict[str, Any]:
+    note = r.note if isinstance(r.note, Observed) else None
+    signature = note.signature if note is not None else r.tag.signature if isinstance(r.tag, _Call) else None
+    return {
+        **evidence.fields_of(r),
+        "missed": r.missed,
+        "compiled": evidence.compiled_anything(r.counters),
+        "path": _path(r),
+        "call": signature.describe() if signature is not None else None,
+        "covered_by": note.covered_by if note is not None else None,
+        "nearest": note.nearest if note is not None else None,
+        "differences": [
+            {"field": f, "call": _jsonable(call), "covered": _jsonable(covered)}
+            for f, call, covered in (note.differences if note is not None else ())
+        ],
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
 def report() -> RuntimeReport:
-    """What every first call cost and whether it compiled anything, from torch's counters (see :mod:`evidence`);
-    what the warm-up took; which calls were refused after it."""
+    """What this process compiled since :func:`activate`, from torch's own per-compile records, whatever code path
+    made it (:mod:`evidence`); what each first call cost; what the warm-up took; which calls were refused."""
     state = _state
     warm = state.active.warmup if state.active is not None else None
+    since = state.since if state.active is not None else 0
+    compiles = evidence.compile_records(since)
+    for record in compiles:  # compiles made before the runtime saw them (watch installed late): attribute now
+        if record.note is None and not isinstance(record.tag, _Call):
+            record.note = _observe(state, record, None)
     with state.lock:
         return RuntimeReport(
             list(state.first_calls),
             list(state.refused),
             warm.seconds if warm is not None and warm.done.is_set() else None,
+            compiles,
+            evidence.dense_records(since),
+            evidence.compile_detection,
         )
 
 

@@ -38,6 +38,14 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 COMPILE_MODES: tuple[str, ...] = get_args(Mode)
 GRAPHS: tuple[str, ...] = get_args(Graph)
 LAYOUTS: tuple[str, ...] = get_args(Layout)
+# Which auxiliary outputs a call asks for through ``return_aux=AuxRequest(...)`` (torch >= 2.9): each is an output of
+# the traced graph. ``return_lse=True`` is the older spelling of "lse" and stays its own field.
+RETURN_AUX: tuple[str, ...] = ("none", "lse", "max_scores", "lse+max_scores")
+# The BlockMask's batch and head dimensions: broadcast (create_block_mask(m, None, None, ...)), or one block table per
+# batch element and/or head. Its tensors are graph inputs, so their shapes select the graph.
+MASK_DIMS: tuple[str, ...] = ("broadcast", "per-batch", "per-head", "per-batch+per-head")
+# q, k, v passed as one tensor object: Dynamo turns a repeated input into one graph input, so each is its own graph.
+ALIASES: tuple[str, ...] = ("none", "k=v", "q=k", "q=v", "q=k=v")
 DEFAULT_BLOCK_SIZE = (128, 128)  # torch's _DEFAULT_SPARSE_BLOCK_SIZE, as (Q_BLOCK_SIZE, KV_BLOCK_SIZE)
 
 # shown by describe() in its fixed layout; every other field is shown as name=value when it is not its default
@@ -79,10 +87,18 @@ class CallParams:
     return_lse: bool = False
     block_size: tuple[int, int] = DEFAULT_BLOCK_SIZE  # the BlockMask's (Q, KV) block size
     score_mod: str = "none"  # "none", "identity" (any function whose graph returns the score), or its graph's key
+    return_aux: str = "none"  # one of RETURN_AUX
+    mask_dims: str = "broadcast"  # one of MASK_DIMS; for a call anything else: "B=3", "per-batch+H=2"
+    alias: str = "none"  # one of ALIASES
 
     def __post_init__(self) -> None:
         if self.enable_gqa is None:
             object.__setattr__(self, "enable_gqa", self.q_heads != self.kv_heads)
+        if isinstance(self.mask_dims, str) and self.mask_dims != "broadcast":
+            # one batch element or one head: a per-batch (per-head) table has the broadcast one's shape
+            dims = [d for d in self.mask_dims.split("+") if not (d == "per-batch" and self.batch == 1)]
+            dims = [d for d in dims if not (d == "per-head" and self.q_heads == 1)]
+            object.__setattr__(self, "mask_dims", "+".join(dims) or "broadcast")
 
     def _describe(self, mask: str, device: str, graphs: str) -> str:
         lens = f"seq={self.q_len}" if self.q_len == self.kv_len else f"q_len={self.q_len} kv_len={self.kv_len}"
@@ -175,7 +191,42 @@ def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool) -> Call
         return_lse=bool(arguments.get("return_lse", False)),
         block_size=tuple(block_mask.BLOCK_SIZE) if block_mask is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
         score_mod=score_mod_key(arguments.get("score_mod")),
+        return_aux=aux_key(arguments.get("return_aux")),
+        mask_dims=mask_dims_of(block_mask, b, hq),
+        alias=alias_of(query, key, value),
     )
+
+
+def aux_key(return_aux: Any) -> str:
+    """``return_aux=AuxRequest(lse=..., max_scores=...)`` as one of :data:`RETURN_AUX`."""
+    if return_aux is None:
+        return "none"
+    wanted = [name for name in ("lse", "max_scores") if getattr(return_aux, name, False)]
+    return "+".join(wanted) or "none"
+
+
+def mask_dims_of(block_mask: Any, batch: int, heads: int) -> str:
+    """The BlockMask's batch and head dimensions (see :data:`MASK_DIMS`), from its block table's shape."""
+    table = getattr(block_mask, "kv_num_blocks", None)
+    if table is None or table.dim() < 2:
+        return "broadcast"
+    b, h = int(table.shape[0]), int(table.shape[1])
+    dims = []
+    if b > 1:
+        dims.append("per-batch" if b == batch else f"B={b}")
+    if h > 1:
+        dims.append("per-head" if h == heads else f"H={h}")
+    return "+".join(dims) or "broadcast"
+
+
+def alias_of(query: Any, key: Any, value: Any) -> str:
+    """Which of q, k, v are one tensor object (see :data:`ALIASES`)."""
+    if query is key and key is value:
+        return "q=k=v"
+    for name, (a, b) in (("k=v", (key, value)), ("q=k", (query, key)), ("q=v", (query, value))):
+        if a is b:
+            return name
+    return "none"
 
 
 def score_mod_key(score_mod: Callable[..., Any] | None) -> str:

@@ -26,6 +26,8 @@ from kernelpack.errors import DenseFallbackError, KernelpackError, NotPrecompile
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import Config
 
+THREADS = torch.get_num_threads()  # as the process starts, as the builder's workers started
+
 
 def configs(artifact: str) -> list[Config]:
     return [c.config for c in read_manifest(artifact).configs]
@@ -379,8 +381,17 @@ def hf_block(artifact: str, cache: str) -> dict[str, Any]:
             )
             return out.transpose(1, 2).reshape(b, s, -1)
 
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    window = c.window
+
+    def local_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # the user's own mask, in its own words
+        causal = q_idx >= kv_idx
+        near = q_idx - kv_idx < window
+        return causal & near
+
     attention = Attention()
-    mask = kernelpack.masks.block_mask(kernelpack.masks.sliding_window(c.window), c.q_len, c.kv_len, "cpu")
+    mask = create_block_mask(local_causal, None, None, c.q_len, c.kv_len, device="cpu")
     x = torch.randn(c.batch, c.q_len, hidden)
     with torch.no_grad():  # compiled flex has no backward on CPU: inference
         out = attention(x, mask)
@@ -390,6 +401,7 @@ def hf_block(artifact: str, cache: str) -> dict[str, Any]:
         "compiled": len(rep.compiled),
         "refused": [why for _, why in rep.refused],
         "summary": rep.summary(),
+        "compiles": [(r["path"], r["missed"]) for r in rep.to_dict()["compiles"]],
     }
     q, k, v = (t.contiguous() for t in make_inputs(c, "cpu"))
     try:
@@ -399,6 +411,139 @@ def hf_block(artifact: str, cache: str) -> dict[str, Any]:
     except NotPrecompiledError as e:
         result["contiguous"] = f"{e} | {e.hint}"
     return result
+
+
+def code_paths(artifact: str, cache: str) -> dict[str, Any]:
+    """Mismatch class x code path, after the warm-up. kernelpack's entry refuses naming the field; the user's own
+    torch.compile(flex_attention) is refused before it compiles in strict mode, and in non-strict mode compiles,
+    reported with the differing field and warned of once per call site; other compiled code and the dense path
+    are reported with their site."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    c = configs(artifact)[0]
+    window = c.window
+    q, k, v = make_inputs(c, "cpu")
+    bm = block_mask_for(c, "cpu")
+
+    def reordered(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # the same meaning in another op order
+        return (q_idx - kv_idx < window) & (q_idx >= kv_idx)
+
+    def doubled(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score * 2
+
+    short = Config.from_dict({**c.to_dict(), "q_len": 128, "kv_len": 128})
+    sq, sk, sv = make_inputs(short, "cpu")
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    cases: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
+        "layout": ((*bshd,), {"block_mask": bm}),
+        "scale": ((q, k, v), {"block_mask": bm, "scale": 0.5}),
+        "mask": ((q, k, v), {"block_mask": create_block_mask(reordered, None, None, c.q_len, c.kv_len, "cpu")}),
+        "q_len": ((sq, sk, sv), {"block_mask": block_mask_for(short, "cpu")}),
+        "score_mod": ((q, k, v), {"block_mask": bm, "score_mod": doubled}),
+        "mask_dims": (
+            (q, k, v),
+            {"block_mask": kernelpack.masks.block_mask(bm.mask_mod, c.q_len, c.kv_len, "cpu", heads=2)},
+        ),
+        "alias": ((q, k, k), {"block_mask": bm}),  # one tensor as key and value
+    }
+    out: dict[str, Any] = {}
+
+    def attempt(fn: Any, *args: Any, **kwargs: Any) -> str:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                fn(*args, **kwargs)
+            return f"served in {time.perf_counter() - t0:.1f} s"
+        except Exception as e:  # what the user sees, whatever the type
+            return f"{type(e).__name__}: {e} | {getattr(e, 'hint', '')}"
+
+    runtime.activate(artifact, cache_dir=cache)  # strict
+    user_compiled = torch.compile(torch_flex)
+    for name, (args, kwargs) in cases.items():
+        out[f"kernelpack/{name}"] = attempt(kernelpack.flex_attention, *args, **kwargs)
+        out[f"torch.compile/{name}"] = attempt(user_compiled, *args, **kwargs)
+    out["eager"] = attempt(torch_flex, q, k, v, block_mask=bm)
+    rep = runtime.report().to_dict()
+    out["strict"] = {"compiles": rep["compiles"], "dense": rep["dense"], "refused": len(rep["refused"])}
+    out["keys"] = {"": sorted(rep)} | {k: sorted(rep[k][0]) for k in ("first_calls", "compiles", "refused", "dense")}
+
+    runtime.activate(artifact, cache_dir=cache, strict=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        short_bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (sq, sk, sv)]
+        short_bm = block_mask_for(short, "cpu")
+        for args, mask in (((*bshd,), bm), ((*short_bshd,), short_bm)):  # two compiles at one call site
+            out[f"torch.compile/layout (non-strict) {args[0].shape[2]}"] = attempt(
+                user_compiled, *args, block_mask=mask
+            )
+        other = torch.compile(lambda x: torch.sin(x) * 2)
+        other(torch.randn(8))
+    out["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("kernelpack:")]
+    rep = runtime.report().to_dict()
+    out["non_strict"] = {"summary": rep["summary"], "compiles": rep["compiles"]}
+    return out
+
+
+def key_settings(artifact: str, cache: str) -> dict[str, Any]:
+    """A process whose inductor config differs from the builder's: strict activate() refuses naming the setting;
+    non-strict warns; set back, it activates and is served."""
+    import warnings
+
+    out: dict[str, Any] = {}
+    torch._inductor.config.max_autotune = True  # enters every FX-graph key
+    torch.set_num_threads(max(1, torch.get_num_threads() - 1) if torch.get_num_threads() > 1 else 2)
+    try:
+        runtime.activate(artifact, cache_dir=cache)
+        out["strict"] = "activated"
+    except KernelpackError as e:
+        out["strict"] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
+    out["warnings"] = [str(w.message) for w in caught if "inductor's cache keys" in str(w.message)]
+    torch._inductor.config.max_autotune = False
+    torch.set_num_threads(THREADS)
+    runtime.activate(artifact, cache_dir=cache)
+    call(configs(artifact)[0])
+    out["summary"] = runtime.report().summary()
+    return out
+
+
+def declared_call(artifact: str, cache: str) -> dict[str, Any]:
+    """The call a recipe declares with [call] mask_dims and alias, made in the user's own words (torch's
+    create_block_mask with a head dimension, one tensor as key and value): served, nothing compiles; the same call
+    with a broadcast mask, or with a copy as value, is refused naming the field."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    runtime.activate(artifact, cache_dir=cache)
+    c = configs(artifact)[0]
+    window = c.window
+
+    def local(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    x = torch.randn(c.batch, c.q_heads, c.q_len, c.head_dim)
+    kv = torch.randn(c.batch, c.kv_heads, c.kv_len, c.head_dim)
+    per_head = create_block_mask(local, None, c.q_heads, c.q_len, c.kv_len, device="cpu")
+    out: dict[str, Any] = {}
+    for name, args, mask in (
+        ("declared", (x, kv, kv), per_head),
+        ("broadcast_mask", (x, kv, kv), create_block_mask(local, None, None, c.q_len, c.kv_len, device="cpu")),
+        ("value_copy", (x, kv, kv.clone()), per_head),
+    ):
+        try:
+            with torch.no_grad():
+                kernelpack.flex_attention(*args, block_mask=mask)
+            out[name] = "served"
+        except NotPrecompiledError as e:
+            out[name] = str(e)
+    rep = runtime.report()
+    out["summary"] = rep.summary()
+    out["missed"] = len(rep.misses)
+    return out
 
 
 class _Engine:

@@ -106,6 +106,12 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"call": {"lse": True}}, "call.lse", "unknown key"),
         ({"call": {"score_mod": "softcap"}}, "call.score_mod", "'softcap'"),
         ({"device": "cpu", "matrix.backward": False, "call": {"return_lse": True}}, "call.return_lse", "CPU"),
+        ({"call": {"return_aux": "max"}}, "call.return_aux", "'max'"),
+        ({"call": {"return_aux": "lse", "return_lse": True}}, "call.return_aux", "together with return_aux"),
+        ({"device": "cpu", "matrix.backward": False, "call": {"return_aux": "lse"}}, "call.return_aux", "CPU"),
+        ({"call": {"mask_dims": "per-sample"}}, "call.mask_dims", "'per-sample'"),
+        ({"call": {"alias": "k=q"}}, "call.alias", "'k=q'"),
+        ({"call": {"alias": "q=k=v"}}, "call.alias", "q_heads == kv_heads"),
     ],
 )
 def test_validation_names_file_key_value_and_allowed(over: dict, key: str, fragment: str) -> None:
@@ -192,3 +198,15 @@ def test_non_utf8_recipe_is_a_recipe_error(tmp_path: Path) -> None:
     bad.write_bytes('name = "caf\xe9"\n'.encode("latin-1"))
     with pytest.raises(RecipeError, match=r"latin1\.toml: <toml>"):
         load_recipe(bad)
+
+
+def test_new_call_keys_enter_the_id_only_when_set() -> None:
+    """return_aux, mask_dims and alias (added after artifacts were shipped) leave the ids of configs that do not set
+    them unchanged; set, each is another config. A per-batch mask of one batch element is the broadcast one."""
+    plain = parse_recipe(base()).configs[0]
+    legacy = {k: v for k, v in plain.to_dict().items() if k not in ("return_aux", "mask_dims", "alias")}
+    assert Config.from_dict(legacy).id == plain.id
+    for key, value in (("return_aux", "lse"), ("mask_dims", "per-head"), ("alias", "k=v")):
+        assert parse_recipe(base(call={key: value})).configs[0].id != plain.id, key
+    one = parse_recipe(base(call={"mask_dims": "per-batch+per-head"}, **{"matrix.batch": 1})).configs[0]
+    assert one.mask_dims == "per-head"

@@ -279,5 +279,122 @@ def test_an_hf_style_block_is_served_by_an_artifact_built_for_its_call(tmp_path:
     out = scenario("hf_block", built.artifact, tmp_path)
     assert out["out"] == [1, 256, 64]
     assert out["compiled"] == 0 and out["refused"] == [], out
-    assert out["summary"].startswith("0 kernels compiled, 0 FX-graph misses over 1 first calls")
+    assert out["summary"].startswith("0 of 1 compiles missed (0 FX-graph misses, 0 AOTAutograd misses, 0 kernels"), out
+    assert out["compiles"] == [["kernelpack warm-up", False]], out  # the user's own mask: no compile of its own
     assert "layout 'bshd' vs 'bhsd'" in out["contiguous"] and "rebuild" in out["contiguous"]
+
+
+MISMATCHES = ("layout", "scale", "mask", "q_len", "score_mod", "mask_dims", "alias")
+
+
+def test_every_miss_is_refused_or_reported_with_the_field_whatever_the_code_path(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Mismatch class x code path, after the warm-up: kernelpack's entry refuses, naming the field; strict mode
+    refuses the user's own torch.compile(flex_attention) before it compiles; non-strict mode lets it compile and
+    reports it from torch's per-compile records (path, site, differing field) with one warning per call site; other
+    compiled code and the dense path are reported too, and the summary never says 0 misses."""
+    out = scenario("code_paths", smoke_artifact, tmp_path)
+    for name in MISMATCHES:
+        ours, theirs = out[f"kernelpack/{name}"], out[f"torch.compile/{name}"]
+        assert ours.startswith("NotPrecompiledError: "), ours
+        # Dynamo re-raises what a compile callback raises under its own name; the message is kernelpack's
+        assert theirs.startswith("InternalTorchDynamoError: NotPrecompiledError: "), theirs
+        assert "outside kernelpack's entry" in theirs
+        assert "\nhint: add this shape to the recipe" in theirs  # the hint travels in str(), through Dynamo too
+        field = "q_len 256 vs 128" if name == "q_len" else f"differs in: {name} "
+        assert field in ours and field in theirs, (name, ours, theirs)
+    assert out["eager"].startswith("DenseFallbackError")
+    strict = out["strict"]
+    assert strict["refused"] == 2 * len(MISMATCHES)
+    refused_compiles = [c for c in strict["compiles"] if c["path"] == "torch.compile(flex_attention)"]
+    assert len(refused_compiles) == len(MISMATCHES)
+    assert all(c["failed"].startswith("NotPrecompiledError") and not c["missed"] for c in refused_compiles)
+    assert sorted(d["field"] for c in refused_compiles for d in c["differences"]) == sorted(
+        ["layout", "scale", "mask", "q_len", "kv_len", "score_mod", "mask_dims", "alias"]
+    )
+    assert [d["path"] for d in strict["dense"]] == ["flex_attention (eager)"]
+    assert strict["dense"][0]["site"].endswith(".py:" + strict["dense"][0]["site"].rsplit(":", 1)[1])
+    assert "runtime_scenarios.py" in strict["dense"][0]["site"]
+
+    non_strict = out["non_strict"]
+    own = [c for c in non_strict["compiles"] if c["path"] == "torch.compile(flex_attention)"]
+    assert [c["missed"] for c in own] == [True, True], own
+    assert [d["field"] for d in own[0]["differences"]] == ["layout"]
+    assert own[0]["differences"][0] == {"field": "layout", "call": "bshd", "covered": "bhsd"}
+    assert own[0]["fx_misses"] >= 1 and "runtime_scenarios.py" in own[0]["site"]
+    assert [c["path"] for c in non_strict["compiles"] if c["missed"]] == [
+        "torch.compile(flex_attention)",
+        "torch.compile(flex_attention)",
+        "other compiled code",
+    ]
+    # one warning per call site: two compiles at the flex site, one at the other
+    assert len(out["warnings"]) == 2, out["warnings"]
+    assert (
+        "torch.compile(flex_attention) compiled" in out["warnings"][0]
+        and "layout 'bshd' vs 'bhsd'" in out["warnings"][0]
+    )
+    assert out["warnings"][1].startswith("kernelpack: other compiled code compiled <lambda>")
+    assert non_strict["summary"].startswith("3 of "), non_strict["summary"]
+    assert "3 outside kernelpack's entry (other compiled code, torch.compile(flex_attention))" in non_strict["summary"]
+
+    assert out["keys"] == documented_report_keys()
+
+
+def documented_report_keys() -> dict[str, list[str]]:
+    """The keys docs/REPORT.md documents, per section (the first column of each table; "a`, `b" rows are two)."""
+    import re
+
+    keys: dict[str, list[str]] = {}
+    section = ""
+    for line in (REPO / "docs" / "REPORT.md").read_text().splitlines():
+        if line.startswith("## "):
+            heading = re.search(r"`(\w+)\[\]`", line)
+            section = heading.group(1) if heading else ""
+        elif line.startswith("| `"):
+            keys.setdefault(section, []).extend(re.findall(r"`(\w+)`", line.split("|")[1]))
+    return {k: sorted(v) for k, v in keys.items()}
+
+
+def test_settings_that_enter_inductors_keys_are_checked_at_activate(smoke_artifact: Path, tmp_path: Path) -> None:
+    """The builder's inductor config and CPU thread count are in the manifest; a process that differs would miss
+    every entry: strict activate() refuses naming each setting, non-strict warns, and set back it is served."""
+    out = scenario("key_settings", smoke_artifact, tmp_path)
+    assert "inductor.max_autotune: built with False, here True" in out["strict"], out["strict"]
+    assert "cpu_threads: built with " in out["strict"] and "\nhint: set them as the builder had them" in out["strict"]
+    assert len(out["warnings"]) == 1 and "inductor.max_autotune" in out["warnings"][0]
+    assert out["summary"].startswith("0 of 2 compiles missed"), out["summary"]
+
+
+DECLARED_RECIPE = """
+name = "declared-cpu"
+device = "cpu"
+mask = "sliding_window"
+windows = [64]
+
+[matrix]
+q_heads = 2
+seq_len = [256]
+head_dim = 16
+dtypes = ["float32"]
+
+[call]
+mask_dims = "per-head"
+alias = "k=v"
+"""
+
+
+def test_a_per_head_mask_and_one_tensor_as_key_and_value_are_built_and_served(tmp_path: Path) -> None:
+    """`[call] mask_dims` and `alias`: the builder compiles exactly that call, the user's own call of that form is
+    served with nothing compiled, and the other form of each is refused naming the field."""
+    from kernelpack.build import build_recipe
+
+    recipe = tmp_path / "declared.toml"
+    recipe.write_text(DECLARED_RECIPE)
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    out = scenario("declared_call", built.artifact, tmp_path)
+    assert out["declared"] == "served", out
+    assert "differs in: mask_dims 'per-head' vs 'broadcast'" in out["broadcast_mask"], out["broadcast_mask"]
+    assert "differs in: alias 'k=v' vs 'none'" in out["value_copy"], out["value_copy"]
+    assert out["missed"] == 0 and out["summary"].startswith("0 of 1 compiles missed"), out
