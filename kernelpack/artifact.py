@@ -112,6 +112,7 @@ class BuiltConfig:
     config: Config
     devices: tuple[int, ...]
     mask_key: str  # what the builder's mask_mod computes (signature.mask_key): the runtime matches calls by it
+    score_key: str = ""  # what its score_mod computes (signature.score_mod_key); "": the declared none/identity
     compile_seconds: float = 0.0  # the slowest device's first call in the builder
     compile_seconds_by_device: tuple[tuple[int, float], ...] = ()
     max_rel_error: float = 0.0  # against the float64 reference
@@ -122,7 +123,7 @@ class BuiltConfig:
 
     def signatures(self, device_index: int) -> tuple[CallSignature, ...]:
         """The calls this entry serves on one device: one per graph built."""
-        return self.config.signatures(device_index, self.mask_key)
+        return self.config.signatures(device_index, self.mask_key, self.score_key or None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,6 +238,7 @@ class Manifest:
                     "params": c.config.to_dict(),
                     "devices": list(c.devices),
                     "mask_key": c.mask_key,
+                    **({"score_key": c.score_key} if c.score_key else {}),
                     "compile_seconds": c.compile_seconds,
                     "compile_seconds_by_device": {str(dev): s for dev, s in c.compile_seconds_by_device},
                     "max_rel_error": c.max_rel_error,
@@ -372,10 +374,14 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     mask_key = entry.get("mask_key", config.mask_label)  # written since 0.1.0's typed manifest; the label before
     if not isinstance(mask_key, str):
         raise TypeError("mask_key must be a string")
+    score_key = entry.get("score_key", "")
+    if not isinstance(score_key, str):
+        raise TypeError("score_key must be a string")
     return BuiltConfig(
         config=config,
         devices=tuple(sorted({_index(d) for d in _list(entry.get("devices", legacy_devices))})),
         mask_key=mask_key,
+        score_key=score_key,
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
         compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),
         max_rel_error=_number(entry.get("max_rel_error", 0.0)),

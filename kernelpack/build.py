@@ -38,6 +38,7 @@ class ConfigOutcome:
     counters: dict[str, int] = field(default_factory=dict)
     build_key: dict[str, str] | None = None
     mask_key: str = ""
+    score_key: str = ""
     key_settings: dict[str, str] = field(default_factory=dict)
     message: str = ""
     log_tail: str = ""
@@ -153,6 +154,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         counters=r.get("counters", {}),
         build_key=r.get("build_key"),
         mask_key=r.get("mask_key", ""),
+        score_key=r.get("score_key", ""),
         key_settings=r.get("key_settings", {}),
         message="; ".join(messages),
         log_tail=outcome.log_tail,
@@ -211,11 +213,15 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
         mask_keys = {o.mask_key for o in outs}
         if len(mask_keys) != 1:  # a factory that returns another mask per process would never hit
             raise BuildError(f"config {outs[0].config.describe()}: its mask differs between workers: {mask_keys}")
+        score_keys = {o.score_key for o in outs}
+        if len(score_keys) != 1:
+            raise BuildError(f"config {outs[0].config.describe()}: its score_mod differs between workers: {score_keys}")
         entries.append(
             art.BuiltConfig(
                 config=outs[0].config,
                 devices=tuple(o.device_index for o in outs),
                 mask_key=mask_keys.pop(),
+                score_key=score_keys.pop(),
                 compile_seconds=round(max(o.seconds for o in outs), 3),
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
                 max_rel_error=max((e for o in outs for e in o.errors.values()), default=0.0),
@@ -254,6 +260,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "counters": evidence.delta(before, evidence.snapshot()),
         "build_key": probe(config.device, index).to_dict(),
         "mask_key": call.mask_key,
+        "score_key": call.score_key,
         "key_settings": key_settings(config.device),
         "problem": check_errors(config, call.errors),
     }

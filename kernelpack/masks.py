@@ -57,8 +57,13 @@ def identity_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
 
 
 def score_mod_for(config: Config) -> Callable[..., Any] | None:
-    """The score_mod a config was built with: None, or :func:`identity_score`."""
-    return identity_score if config.score_mod == "identity" else None
+    """The score_mod a config was built with: None, :func:`identity_score`, or ``factory(config)`` for
+    ``score_mod = "pkg.mod:factory"``."""
+    if config.score_mod == "none":
+        return None
+    if config.score_mod == "identity":
+        return identity_score
+    return _from_factory(config.score_mod, config, "score_mod", "score_mod(score, b, h, q_idx, kv_idx) -> tensor")
 
 
 def mask_for(config: Config) -> MaskMod:
@@ -66,20 +71,26 @@ def mask_for(config: Config) -> MaskMod:
     if config.mask in BUILTIN:
         assert config.window is not None
         return BUILTIN[config.mask](config.window)
-    factory = load_factory(config.mask)
+    return _from_factory(config.mask, config, "mask", "mask_mod(b, h, q_idx, kv_idx) -> bool tensor")
+
+
+def _from_factory(spec: str, config: Config, what: str, returns: str) -> Any:
+    """``factory(config)`` for a recipe's ``"pkg.mod:factory"``: a function of the recipe point's shapes (example
+    tensors of those shapes when the function closes over tensors; their values do not enter the graph)."""
+    factory = load_factory(spec)
     try:
-        mask_mod = factory(config)
+        fn = factory(config)
     except Exception as e:
         raise KernelpackError(
-            f"mask factory {config.mask!r} failed for config {config.id}: {type(e).__name__}: {e}",
-            hint="the factory is called with the kernelpack Config and must return a mask_mod(b, h, q_idx, kv_idx)",
+            f"{what} factory {spec!r} failed for config {config.id}: {type(e).__name__}: {e}",
+            hint=f"the factory is called with the kernelpack Config and must return a {returns}",
         ) from e
-    if not callable(mask_mod):
+    if not callable(fn):
         raise KernelpackError(
-            f"mask factory {config.mask!r} returned {type(mask_mod).__name__}, not a mask_mod",
-            hint="return a function mask_mod(b, h, q_idx, kv_idx) -> bool tensor",
+            f"{what} factory {spec!r} returned {type(fn).__name__}, not a function",
+            hint=f"return a function {returns}",
         )
-    return mask_mod
+    return fn
 
 
 def load_factory(spec: str) -> Callable[[Config], MaskMod]:

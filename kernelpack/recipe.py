@@ -27,7 +27,8 @@ Example (``recipes/smoke-cpu.toml``)::
     return_lse = false
     enable_gqa = false                # default: q_heads != kv_heads
     block_size = 128                  # the BlockMask's block size, or [q_block, kv_block]
-    score_mod = "identity"            # "none" (default) or "identity": any score_mod that returns the score
+    score_mod = "identity"            # "none" (default), "identity" (any score_mod that returns the score), or
+                                      # "pkg.module:factory": factory(config) returns the score_mod
     return_aux = "none"               # or "lse", "max_scores", "lse+max_scores": return_aux=AuxRequest(...)
     mask_dims = "broadcast"           # or "per-batch", "per-head", "per-batch+per-head": the BlockMask's B and H
     alias = "none"                    # or "k=v", "q=k=v", ...: one tensor object passed for several of q, k, v
@@ -153,11 +154,16 @@ class Config(CallParams):
             return f"{self.mask}({self.window})"
         return self.mask if self.window is None else f"{self.mask}(window={self.window})"
 
-    def signature(self, device_index: int | None, graph: Graph, mask_key: str | None = None) -> CallSignature:
+    def signature(
+        self, device_index: int | None, graph: Graph, mask_key: str | None = None, score_key: str | None = None
+    ) -> CallSignature:
         """A call this recipe point stands for: the same call parameters and ``graph``; the mask named by what its
         mask_mod computes (``mask_key``, which the builder records in the manifest; by default :attr:`mask_label`);
-        and the device index on CUDA (None on CPU, where inductor's keys carry none)."""
+        the score_mod likewise (``score_key``; by default the declared ``"none"`` or ``"identity"``); and the device
+        index on CUDA (None on CPU, where inductor's keys carry none)."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CallParams)}
+        if score_key:
+            shared["score_mod"] = score_key
         return CallSignature(
             **shared,
             mask=mask_key if mask_key is not None else self.mask_label,
@@ -165,9 +171,11 @@ class Config(CallParams):
             graph=graph,
         )
 
-    def signatures(self, device_index: int | None, mask_key: str | None = None) -> tuple[CallSignature, ...]:
+    def signatures(
+        self, device_index: int | None, mask_key: str | None = None, score_key: str | None = None
+    ) -> tuple[CallSignature, ...]:
         """Every call this recipe point stands for on one device: one per graph."""
-        return tuple(self.signature(device_index, g, mask_key) for g in self.graphs)
+        return tuple(self.signature(device_index, g, mask_key, score_key) for g in self.graphs)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -281,8 +289,10 @@ def _validate(c: Config) -> None:
         raise ConfigError("alias", "unknown value", value=c.alias, allowed=ALIASES)
     if "q=" in c.alias and (c.q_heads, c.q_len) != (c.kv_heads, c.kv_len):
         raise ConfigError("alias", "q can be k or v only when q_heads == kv_heads and q_len == kv_len", value=c.alias)
-    if c.score_mod not in SCORE_MODS:
-        raise ConfigError("score_mod", "unknown score_mod", value=c.score_mod, allowed=SCORE_MODS)
+    if not isinstance(c.score_mod, str) or not (c.score_mod in SCORE_MODS or _is_import_path(c.score_mod)):
+        raise ConfigError(
+            "score_mod", "unknown score_mod", value=c.score_mod, allowed=(*SCORE_MODS, "'pkg.module:factory'")
+        )
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
     for k, v in c.kernel_options:

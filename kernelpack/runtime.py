@@ -60,7 +60,7 @@ from .compiled import (
 from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
 from .masks import block_mask_for, score_mod_for
-from .signature import CallSignature, graph_of, mask_key, mod_graph, signature_of
+from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
 
 log = logging.getLogger(__name__)
@@ -393,8 +393,16 @@ def _warm_up(state: _State, activation: Activation) -> None:
                             f"its mask computes {mask_key(bm.mask_mod)!r} here, {built.mask_key!r} in the builder"
                         )
                     continue
+                score_mod = score_mod_for(config)
+                if built.score_key and score_mod_key(score_mod) != built.score_key:
+                    for sig in sigs:
+                        warm.skipped[sig] = (
+                            f"its score_mod computes {score_mod_key(score_mod)!r} here, {built.score_key!r} in the "
+                            "builder"
+                        )
+                    continue
                 _remember(warm.masks, bm.mask_mod, "mask")
-                _remember(warm.score_mods, score_mod_for(config), "score")
+                _remember(warm.score_mods, score_mod, "score")
                 for sig in sigs:
                     _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
@@ -594,9 +602,14 @@ def _with_warmed_mods(warm: Warmup, arguments: dict[str, Any], mode: str, dynami
 
 
 def _equivalents(warmed: dict[str, list[Any]], fn: Any, kind: Literal["mask", "score"]) -> list[Any]:
-    """``fn`` itself, then the warmed functions with its graph."""
+    """``fn`` itself, then the warmed functions with its graph. Not for a function that reads a tensor (a closure
+    over per-batch anchors or document ids): its graph names the tensor by shape, not by value, so a warmed function
+    would compute with the warm-up's example values. Such a mask is served as it is, when it comes from the recipe's
+    factory (same code; Dynamo guards on the tensor's metadata only), and refused otherwise."""
     graph = mod_graph(fn, kind) if fn is not None else None
-    return [fn, *(w for w in warmed.get(graph.key, ()) if w is not fn)] if graph is not None else [fn]
+    if graph is None or "tensor(" in graph.text:
+        return [fn]
+    return [fn, *(w for w in warmed.get(graph.key, ()) if w is not fn)]
 
 
 def _mask_differs(coverage: Coverage) -> bool:

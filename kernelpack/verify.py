@@ -85,6 +85,8 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         reasons = evidence.compiled_anything(d)
         if call.mask_key != built.mask_key:
             reasons.append(f"mask_mod computes {call.mask_key!r} here, {built.mask_key!r} in the builder")
+        if call.score_key != built.score_key:
+            reasons.append(f"score_mod computes {call.score_key!r} here, {built.score_key!r} in the builder")
         if check and (msg := check_errors(config, call.errors)):
             reasons.append(msg)
         report["configs"].append(

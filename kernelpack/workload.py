@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 from .canonical import call as canonical_call
 from .canonical import grad_output, make_inputs
 from .masks import block_mask_for, mask_for, score_mod_for
+from .recipe import SCORE_MODS
 from .runtime import flex_attention, guarded
-from .signature import mask_key
+from .signature import mask_key, score_mod_key
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,7 @@ class CallResult:
     seconds: float  # wall time of the first canonical calls of every graph built, synchronized
     errors: dict[str, float]  # relative error per graph and output/gradient, "fwd+bwd:dq" (empty when not checked)
     mask_key: str  # what the call's mask_mod computes (signature.mask_key): the manifest records it
+    score_key: str = ""  # what its score_mod computes (signature.score_mod_key), for a score_mod factory
 
 
 def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult:
@@ -55,7 +57,8 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
                 errors[f"{graph}:{name}"] = _rel_error(g, r)
             if lse is not None:
                 errors[f"{graph}:lse"] = _rel_error(lse.nan_to_num(0.0, 0.0, 0.0), ref_lse.nan_to_num(0.0, 0.0, 0.0))
-    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod))
+    score_key = score_mod_key(score_mod_for(config)) if config.score_mod not in SCORE_MODS else ""
+    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod), score_key=score_key)
 
 
 def check_errors(config: Config, errors: dict[str, float]) -> str | None:

@@ -546,6 +546,55 @@ def declared_call(artifact: str, cache: str) -> dict[str, Any]:
     return out
 
 
+def document_mask(artifact: str, cache: str) -> dict[str, Any]:
+    """A mask that closes over a tensor (document ids, per batch), from the recipe's factory module: every step
+    builds a new closure over new ids with the same helper, as a data loader would. Served with nothing compiled,
+    and computed with this step's ids (checked against dense attention). The user's own function with the same graph
+    is refused, never served by the warmed closure (which holds the warm-up's example ids)."""
+    import doc_masks  # the recipe's factory module, on PYTHONPATH
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    runtime.activate(artifact, cache_dir=cache, strict=False)
+    c = configs(artifact)[0]
+    q, k, v = make_inputs(c, "cpu")
+    out: dict[str, Any] = {"errors": []}
+    softcap = 30.0
+
+    def score_mod(score: Any, batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        # the user's own closure (transformers' words), computing what the recipe's score_mod factory computes
+        return softcap * torch.tanh(score / softcap)
+
+    for step in range(3):
+        ids = torch.sort(torch.randint(0, 3 + step, (c.q_len,), generator=torch.Generator().manual_seed(step)))[0]
+        mask_mod = doc_masks.same_document(ids.to(torch.int32))
+        bm = create_block_mask(mask_mod, None, None, c.q_len, c.kv_len, device="cpu")
+        with torch.no_grad():
+            got = kernelpack.flex_attention(q, k, v, block_mask=bm, score_mod=score_mod)
+        qi = torch.arange(c.q_len)[:, None]
+        ki = torch.arange(c.kv_len)[None, :]
+        dense = (ids[qi] == ids[ki]) & (qi >= ki)
+        scores = softcap * torch.tanh(q @ k.transpose(-2, -1) / c.head_dim**0.5 / softcap)
+        want = scores.masked_fill(~dense, float("-inf")).softmax(-1) @ v
+        out["errors"].append(float((got - want).abs().max()))
+
+    ids = torch.zeros(c.q_len, dtype=torch.int32)
+
+    def own(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:  # the same graph, the user's own code
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    try:
+        with torch.no_grad():
+            own_bm = create_block_mask(own, None, None, c.q_len, c.kv_len, "cpu")
+            kernelpack.flex_attention(q, k, v, block_mask=own_bm, score_mod=score_mod)
+        out["own"] = "served"
+    except KernelpackError as e:
+        out["own"] = f"{type(e).__name__}: {e}"
+    rep = runtime.report()
+    out["summary"] = rep.summary()
+    out["missed"] = len(rep.misses)
+    return out
+
+
 class _Engine:
     """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
     it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kernelpack import runtime
-from kernelpack.artifact import BuiltConfig, Manifest
+from kernelpack.artifact import BuiltConfig, Manifest, read_manifest
 from kernelpack.errors import KernelpackError
 from kernelpack.keys import BuildKey
 from kernelpack.recipe import Config, load_recipe
@@ -398,3 +398,60 @@ def test_a_per_head_mask_and_one_tensor_as_key_and_value_are_built_and_served(tm
     assert "differs in: mask_dims 'per-head' vs 'broadcast'" in out["broadcast_mask"], out["broadcast_mask"]
     assert "differs in: alias 'k=v' vs 'none'" in out["value_copy"], out["value_copy"]
     assert out["missed"] == 0 and out["summary"].startswith("0 of 1 compiles missed"), out
+
+
+DOC_MASKS = """
+import torch
+
+
+def same_document(doc_ids):
+    # attend within one's own document, causally: the mask closes over a tensor that changes every batch
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc_ids[q_idx] == doc_ids[kv_idx]) & (q_idx >= kv_idx)
+
+    return mask_mod
+
+
+def example(config):
+    # the recipe's factory: a mask of the recipe's shapes over example ids (their values do not enter the graph)
+    return same_document(torch.zeros(config.q_len, dtype=torch.int32))
+
+
+def softcap(config):
+    # the recipe's score_mod factory: tanh soft-capping at 30, as transformers writes it for Gemma-style models
+    cap = 30.0
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    return score_mod
+"""
+
+
+def test_a_mask_closing_over_a_tensor_is_served_from_its_factory_with_each_steps_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Masks over per-batch tensors (document ids, anchors) through a recipe factory: built from example tensors of
+    the recipe's shapes; each step's new closure over new values is served with nothing compiled and computes with
+    its own values; the user's own function with the same graph is refused, not swapped for the warmed closure. The
+    score_mod comes from a recipe factory too (a tanh softcap); the user's own closure computing it is served."""
+    from kernelpack.build import build_recipe
+
+    (tmp_path / "doc_masks.py").write_text(DOC_MASKS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    recipe = tmp_path / "docs.toml"
+    recipe.write_text(
+        'name = "docs"\ndevice = "cpu"\nmask = "doc_masks:example"\n'
+        "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 256\ndtypes = ['float32']\ngraphs = ['fwd']\n"
+        '[call]\nscore_mod = "doc_masks:softcap"\n'
+    )
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    out = scenario("document_mask", built.artifact, tmp_path)
+    assert len(out["errors"]) == 3 and max(out["errors"]) < 1e-4, out
+    assert out["missed"] == 0, out["summary"]
+    assert out["own"].startswith("NotWarmedError") and "mask_mod" in out["own"], out["own"]
+    manifest = read_manifest(built.artifact)
+    assert manifest.configs[0].score_key.startswith("graph#")
+    assert manifest.signatures[0].score_mod == manifest.configs[0].score_key
