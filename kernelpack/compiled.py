@@ -221,21 +221,21 @@ def key_settings(device_type: str) -> dict[str, str]:
     for prefix, module in (("inductor", inductor_config), ("functorch", functorch_config)):
         for name, value in portable(module).items():
             out[f"{prefix}.{name}"] = _stable_repr(value)
-    out["deterministic_algorithms"] = repr(
-        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    )
+    # one value per key: a kernelpack that records one more setting must not change the ones recorded before
+    deterministic = getattr(torch.utils, "deterministic", None)
+    out["deterministic_algorithms"] = repr(torch.are_deterministic_algorithms_enabled())
+    out["deterministic_algorithms_warn_only"] = repr(torch.is_deterministic_algorithms_warn_only_enabled())
+    out["fill_uninitialized_memory"] = repr(getattr(deterministic, "fill_uninitialized_memory", None))
     out["default_dtype"] = str(torch.get_default_dtype())
     matmul = torch.backends.cuda.matmul
-    out["cuda_matmul"] = repr(
-        tuple(
-            getattr(matmul, name, None)
-            for name in (
-                "allow_tf32",
-                "allow_fp16_reduced_precision_reduction",
-                "allow_bf16_reduced_precision_reduction",
-            )
-        )
-    )
+    for name in (
+        "fp32_precision",  # torch >= 2.9; allow_tf32 before
+        "allow_tf32",
+        "allow_fp16_reduced_precision_reduction",
+        "allow_bf16_reduced_precision_reduction",
+    ):
+        if hasattr(matmul, name):
+            out[f"cuda_matmul.{name}"] = repr(getattr(matmul, name))
     if (
         device_type == "cpu"
         and inductor_config.cpp.threads < 1

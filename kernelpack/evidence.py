@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import DenseFallbackError
+from .errors import DenseFallbackError, KernelpackError
 
 _lock = threading.Lock()
 _installed = False
@@ -240,6 +240,7 @@ class CompileRecord:
     fx_misses: int | None
     aot_hits: int | None
     aot_misses: int | None
+    codegen_seconds: float = 0.0  # inductor generated code: a cache miss, or a graph the FX cache bypassed (or off)
     triton_compiled: int = 0
     cpp_compiled: int = 0
     failed: str | None = None  # what the compile raised
@@ -249,7 +250,9 @@ class CompileRecord:
     @property
     def missed(self) -> bool:
         """Compiled something: an FX-graph or AOTAutograd cache miss, or a kernel."""
-        return bool(self.fx_misses or self.aot_misses or self.triton_compiled or self.cpp_compiled)
+        return bool(
+            self.fx_misses or self.aot_misses or self.codegen_seconds or self.triton_compiled or self.cpp_compiled
+        )
 
     @property
     def counters(self) -> dict[str, int]:
@@ -259,6 +262,8 @@ class CompileRecord:
             "inductor.fxgraph_cache_miss": self.fx_misses or 0,
             "aot_autograd.autograd_cache_hit": self.aot_hits or 0,
             "aot_autograd.autograd_cache_miss": self.aot_misses or 0,
+            # code generated with no FX miss: the FX cache was bypassed or turned off (torch counts no lookup then)
+            "inductor.fxgraph_cache_bypass": int(bool(self.codegen_seconds) and not self.fx_misses),
             "triton_compiled": self.triton_compiled,
             "cpp_compiled": self.cpp_compiled,
         }
@@ -355,19 +360,48 @@ def _hook_compiles() -> str:
 
     metrics_class.create = classmethod(recorded)  # type: ignore[union-attr]
     with contextlib.suppress(ImportError, AttributeError):
-        from torch._dynamo.callback import on_compile_start
+        from torch._dynamo.callback import callback_handler, on_compile_start
 
         on_compile_start(_compile_starting)
+        # torch._dynamo.reset() clears every compile callback: register ours again right after
+        clear = callback_handler.clear
+
+        @functools.wraps(clear)
+        def clear_then_watch() -> None:
+            clear()
+            on_compile_start(_compile_starting)
+
+        callback_handler.clear = clear_then_watch  # type: ignore[method-assign]
     return "CompilationMetrics.create"
+
+
+def ensure_watching() -> None:
+    """Register the compile-start callback again if ``torch._dynamo.reset()`` cleared it (it clears every callback;
+    the metrics hook, a class attribute, survives)."""
+    if compile_detection != "CompilationMetrics.create":
+        return
+    with contextlib.suppress(ImportError, AttributeError):
+        from torch._dynamo.callback import callback_handler, on_compile_start
+
+        if _compile_starting not in callback_handler.start_callbacks:
+            on_compile_start(_compile_starting)
 
 
 def _compile_starting(*args: Any) -> None:
     # torch >= 2.7 passes CallbackArgs(callback_trigger, compile_id); only Dynamo's own frame compiles are refusable
+    _tls.pending = Counter()  # what a kernel build outside any compile left behind is not this compile's
     trigger = getattr(args[0], "callback_trigger", None) if args else None
     if _on_start is None or getattr(trigger, "name", "DYNAMO") != "DYNAMO" or getattr(_tls, "tag", None) is not None:
         return
     frame = _compiled_frame()
-    _on_start(frame.f_locals if frame is not None else None)
+    try:
+        _on_start(frame.f_locals if frame is not None else None)
+    except KernelpackError:  # the runtime's refusal (strict mode)
+        raise
+    except Exception:  # the policy must never break a compile it does not mean to refuse
+        import logging
+
+        logging.getLogger(__name__).debug("kernelpack's compile-start check failed", exc_info=True)
 
 
 def _record_compile(m: Any) -> None:
@@ -393,6 +427,7 @@ def _record_compile(m: Any) -> None:
         fx_misses=_sum(count("inductor_fx_local_cache_miss_count"), count("inductor_fx_remote_cache_miss_count")),
         aot_hits=_sum(count("aotautograd_local_cache_hit_count"), count("aotautograd_remote_cache_hit_count")),
         aot_misses=_sum(count("aotautograd_local_cache_miss_count"), count("aotautograd_remote_cache_miss_count")),
+        codegen_seconds=(getattr(m, "inductor_code_gen_cumulative_compile_time_us", None) or 0) / 1e6,
         triton_compiled=pending["triton_compiled"],
         cpp_compiled=pending["cpp_compiled"],
         failed=f"{m.fail_type}: {m.fail_reason}" if getattr(m, "fail_type", None) else None,
@@ -418,11 +453,28 @@ def _sum(*values: int | None) -> int | None:
 
 
 def _charge(what: str) -> None:
-    """Charge a kernel compile to the compile in flight in this thread (read when its record is made)."""
+    """Charge a kernel compile to the compile in flight in this thread (read when its record is made). A kernel
+    built outside any compile (a user's own Triton kernel, a C++ extension) is charged to none."""
+    if not _compiling():
+        return
     pending = getattr(_tls, "pending", None)
     if pending is None:
         pending = _tls.pending = Counter()
     pending[what] += 1
+
+
+def _compiling() -> bool:
+    """A Dynamo frame compile, or a lazy backward compile, is in flight in this thread (torch's thread-local metrics
+    contexts are open exactly then)."""
+    try:
+        from torch._dynamo import utils as dynamo_utils
+
+        if dynamo_utils.get_metrics_context().in_progress():
+            return True
+        runtime_context = getattr(dynamo_utils, "get_runtime_metrics_context", None)
+        return runtime_context is not None and bool(getattr(runtime_context(), "_metrics", None))
+    except Exception:  # another torch: charge it, as before these contexts existed
+        return True
 
 
 def _record_dense(query: Any, key: Any, nbytes: int) -> None:

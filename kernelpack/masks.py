@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from . import settings
 from .compiled import outside_first_calls
 from .errors import KernelpackError
 from .signature import DEFAULT_BLOCK_SIZE
@@ -139,7 +140,73 @@ def block_mask(
     # create_block_mask traces the mask_mod (vmap, fx node meta) with torch state that a concurrent compile in another
     # thread also uses; so it waits while a first call compiles or loads, like any other kernelpack call.
     with outside_first_calls():
-        return create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
+        try:
+            return eager_block_mask(mask_mod, batch, heads, q_len, kv_len, device, block_size)
+        except _NoInternals:
+            return create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
+
+
+class _NoInternals(Exception):
+    """This torch lacks the create_block_mask internals the bounded builder uses."""
+
+
+def eager_block_mask(
+    mask_mod: MaskMod,
+    batch: int | None,
+    heads: int | None,
+    q_len: int,
+    kv_len: int,
+    device: str | Any,
+    block_size: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+    *,
+    max_elements: int | None = None,
+) -> BlockMask:
+    """``create_block_mask(mask_mod, batch, heads, q_len, kv_len, device, BLOCK_SIZE=block_size)``, the same
+    BlockMask, without torch.compile and in bounded memory.
+
+    torch's eager path evaluates the mask_mod over the whole [B, H, Q, KV] grid at once: at 16k x 16k a single
+    int64 intermediate is 2 GiB. Its compiled path (``_compile=True``, what transformers uses) traces with FX during
+    training (the process-global tracing flag: the seeds' race) and its graphs are one more thing to ship. This
+    evaluates the mask_mod over whole query blocks at a time, at most ``max_elements`` (default
+    KERNELPACK_MASK_CHUNK_ELEMENTS, 2**24) grid points per chunk, reduces each chunk to its block table with torch's
+    own ``_convert_mask_to_block_mask`` and builds the BlockMask with torch's ``_create_sparse_block_from_block_mask``,
+    exactly as create_block_mask does for the whole grid."""
+    import torch
+
+    try:
+        from torch.nn.attention.flex_attention import (
+            _convert_mask_to_block_mask,
+            _create_sparse_block_from_block_mask,
+            create_mask,
+        )
+    except ImportError as e:
+        raise _NoInternals from e
+    q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
+    limit = max_elements if max_elements is not None else settings.mask_chunk_elements()
+    per_row = (batch or 1) * (heads or 1) * kv_len
+    rows = max(q_block, (limit // max(per_row, 1)) // q_block * q_block)
+    partial: list[Any] = []
+    full: list[Any] = []
+    for start in range(0, q_len, rows):
+        n = min(rows, q_len - start)
+
+        def shifted(b: Any, h: Any, q_idx: Any, kv_idx: Any, start: int = start) -> Any:
+            return mask_mod(b, h, q_idx + start, kv_idx)
+
+        dense = create_mask(shifted if start else mask_mod, batch, heads, n, kv_len, device)
+        try:
+            blocks = _convert_mask_to_block_mask(
+                dense, Q_BLOCK_SIZE=q_block, KV_BLOCK_SIZE=kv_block, separate_full_blocks=True
+            )
+        except TypeError as e:  # another signature of the internals
+            raise _NoInternals from e
+        partial.append(blocks[0])
+        full.append(blocks[1])
+        del dense
+    full_blocks = torch.cat(full, dim=2) if all(f is not None for f in full) else None
+    return _create_sparse_block_from_block_mask(
+        (torch.cat(partial, dim=2), full_blocks), mask_mod, (q_len, kv_len), q_block, kv_block
+    )
 
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:

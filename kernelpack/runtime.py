@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import sys
@@ -134,7 +135,7 @@ def _start(
     return result
 
 
-def _check_key_settings(manifest: Manifest, strict: bool) -> None:
+def _check_key_settings(manifest: Manifest, strict: bool, *, allow_mismatch: bool = False) -> None:
     """The settings that enter inductor's cache keys (inductor and functorch config, deterministic algorithms,
     matmul precision, CPU threads: :func:`kernelpack.compiled.key_settings`) as the builder had them: otherwise every
     entry misses. Strict: refused, naming each; else a warning."""
@@ -147,16 +148,16 @@ def _check_key_settings(manifest: Manifest, strict: bool) -> None:
     if len(differ) > 12:
         lines.append(f"  ... and {len(differ) - 12} more")
     message = (
-        f"{manifest.name} was built under other settings that enter inductor's cache keys; every call would miss:\n"
-        + "\n".join(lines)
+        f"{manifest.name} was built under other settings that enter inductor's cache keys; calls would miss its "
+        "FX-graph or AOTAutograd entries:\n" + "\n".join(lines)
     )
     hint = (
         "set them as the builder had them before activate() (torch._inductor.config.X = ..., "
         "torch.set_num_threads(N), TORCHINDUCTOR_* variables), or rebuild the recipe under this process's settings"
     )
-    if strict:
-        raise KernelpackError(message, hint=hint)
-    warnings.warn(f"kernelpack: {message}\n{hint}", KernelpackWarning, stacklevel=4)
+    if strict and not allow_mismatch:
+        raise KernelpackError(message, hint=hint + "; activate(allow_mismatch=True) only warns")
+    warnings.warn(f"kernelpack: {message}\n{hint}", KernelpackWarning, stacklevel=3)
 
 
 def _configure_process(result: InstallResult) -> None:
@@ -343,7 +344,7 @@ def activate(
             allow_mismatch=allow_mismatch,
             device_index=device_index,
         )
-        _check_key_settings(result.manifest, strict)
+        _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
         warm = Warmup(background=warmup == "background") if warmup else None
         activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
     global _state
@@ -386,14 +387,16 @@ def _warm_up(state: _State, activation: Activation) -> None:
                         warm.skipped[sig] = f"cuda:{index} is not visible in this process ({visible} GPUs)"
                     continue
                 device = "cpu" if config.device == "cpu" else f"cuda:{index}"
-                bm = block_mask_for(config, device)
+                # factories make their example tensors on the current device: this one, as in the builder's worker
+                with torch.cuda.device(index) if config.device == "cuda" else contextlib.nullcontext():
+                    bm = block_mask_for(config, device)
+                    score_mod = score_mod_for(config)
                 if mask_key(bm.mask_mod) != built.mask_key:
                     for sig in sigs:
                         warm.skipped[sig] = (
                             f"its mask computes {mask_key(bm.mask_mod)!r} here, {built.mask_key!r} in the builder"
                         )
                     continue
-                score_mod = score_mod_for(config)
                 if built.score_key and score_mod_key(score_mod) != built.score_key:
                     for sig in sigs:
                         warm.skipped[sig] = (
@@ -502,6 +505,7 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     import torch
 
     apply_thread_config()
+    evidence.ensure_watching()
     fn = compiled_flex_attention(mode, dynamic)
     query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
@@ -532,7 +536,7 @@ def _closes_over_no_tensor(score_mod: Callable[..., Any] | None) -> bool:
     if score_mod is None:
         return True
     graph = mod_graph(score_mod, "score")
-    return graph is not None and "tensor(" not in graph.text
+    return graph is not None and not graph.reads_tensors
 
 
 def _signature(mode: str, dynamic: bool, arguments: dict[str, Any]) -> CallSignature:
@@ -559,10 +563,12 @@ def _serve(
     if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
         hit = _signature(mode, dynamic, arguments) in warm.signatures
     if hit:
-        return fn(**arguments)
+        with evidence.tagged(_SERVED):
+            return fn(**arguments)
     same = _with_warmed_mods(warm, arguments, mode, dynamic)
     if same is not None:
-        return fn(**same)
+        with evidence.tagged(_SERVED):
+            return fn(**same)
     sig = _signature(mode, dynamic, arguments)
     coverage = active.covers(sig)
     error: KernelpackError
@@ -607,7 +613,7 @@ def _equivalents(warmed: dict[str, list[Any]], fn: Any, kind: Literal["mask", "s
     would compute with the warm-up's example values. Such a mask is served as it is, when it comes from the recipe's
     factory (same code; Dynamo guards on the tensor's metadata only), and refused otherwise."""
     graph = mod_graph(fn, kind) if fn is not None else None
-    if graph is None or "tensor(" in graph.text:
+    if graph is None or graph.reads_tensors:
         return [fn]
     return [fn, *(w for w in warmed.get(graph.key, ()) if w is not fn)]
 
@@ -691,12 +697,13 @@ def _first_call_at_the_gate(
     sig = _signature(mode, dynamic, arguments)
     limit = settings.backward_wait_seconds() if in_backward() else None
     if sig in state.ready:
-        with gate.shared(limit):
+        with gate.shared(limit), evidence.tagged(_Call("kernelpack.flex_attention", sig)):
             wait_for_foreign_fx_trace(limit)
             return fn(**arguments)
     with gate.exclusive(limit):
         if sig in state.ready:  # another thread made this first call while we waited
-            return fn(**arguments)
+            with evidence.tagged(_Call("kernelpack.flex_attention", sig)):
+                return fn(**arguments)
         config_id = None
         if active is not None:
             coverage = active.covers(sig)
@@ -742,7 +749,10 @@ class _Call:
     """What kernelpack was doing in a thread (an :func:`evidence.tagged` tag): the code path and the call."""
 
     path: str
-    signature: CallSignature
+    signature: CallSignature | None  # None: a served call (its signature is computed only if torch compiles it)
+
+
+_SERVED = _Call("kernelpack.flex_attention", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -779,12 +789,16 @@ def _measured(tag: _Call) -> Any:
     measured.seconds = time.perf_counter() - start
     delta = evidence.delta(before, evidence.snapshot())
     records = [r for r in evidence.compile_records(mark) if r.tag is tag]
-    if records and all(r.fx_hits is not None for r in records):
+    # no record: nothing compiled for this call (another thread's compiles meanwhile are not its own)
+    if evidence.compile_detection == "CompilationMetrics.create" and all(r.fx_hits is not None for r in records):
         counters = {k: 0 for k in delta}
         for r in records:
             for k, v in r.counters.items():
                 counters[k] += v
         counters["dense_calls"] = sum(1 for d in evidence.dense_records(mark) if d.tag is tag)
+        # torch's per-compile metrics do not count AOTAutograd bypasses: from the process counters (first calls
+        # are alone at the gate)
+        counters["aot_autograd.autograd_cache_bypass"] = delta.get("aot_autograd.autograd_cache_bypass", 0)
         measured.counters = counters
     else:
         measured.counters = delta
@@ -793,6 +807,9 @@ def _measured(tag: _Call) -> Any:
 def _observe(state: _State, record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -> Observed:
     if isinstance(record.tag, _Call):
         sig: CallSignature | None = record.tag.signature
+        if sig is None and _is_flex_call(frame):
+            assert frame is not None
+            sig = _signature_or_none(frame)
         path = record.tag.path
     elif isinstance(record.note, Observed):  # a lazy backward: its forward's
         return record.note
@@ -845,12 +862,11 @@ def _observed(record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -
         if where in state.warned_sites:
             return
         state.warned_sites.add(where)
-    warnings.warn(
-        f"kernelpack: {_miss_text(record, observed)}. This first step is not served by {state.active.artifact}; "
-        "kernelpack.runtime.report() lists every such compile",
-        KernelpackWarning,
-        stacklevel=2,
-    )
+    if observed.path == "other compiled code":
+        tail = "kernelpack serves flex_attention only; kernelpack.runtime.report() lists every compile"
+    else:
+        tail = f"{state.active.artifact} does not serve it; kernelpack.runtime.report() lists every such compile"
+    warnings.warn(f"kernelpack: {_miss_text(record, observed)}. {tail}", KernelpackWarning, stacklevel=2)
 
 
 def _miss_text(record: evidence.CompileRecord, observed: Observed) -> str:
@@ -879,9 +895,11 @@ def _refuse_foreign_compile(frame: Mapping[str, Any] | None) -> None:
     sig = _signature_or_none(frame)
     if sig is None:
         return
-    coverage = active.covers(sig)
-    if coverage.entry is not None:
+    # the user's torch.compile options are not in the frame: covered under any options the artifact was built with
+    options = {(c.config.mode, c.config.dynamic) for c in active.manifest.configs}
+    if any(active.covers(dataclasses.replace(sig, mode=m, dynamic=d)).covered for m, d in options):
         return
+    coverage = active.covers(sig)
     with state.lock:
         state.refused.append((sig, "not covered by the artifact (strict mode; torch.compile(flex_attention))"))
     raise refusal(
@@ -1005,6 +1023,7 @@ def _jsonable(value: Any) -> Any:
 def report() -> RuntimeReport:
     """What this process compiled since :func:`activate`, from torch's own per-compile records, whatever code path
     made it (:mod:`evidence`); what each first call cost; what the warm-up took; which calls were refused."""
+    evidence.ensure_watching()
     state = _state
     warm = state.active.warmup if state.active is not None else None
     since = state.since if state.active is not None else 0

@@ -105,6 +105,13 @@ def lock_timeout() -> float:
     return _seconds("KERNELPACK_LOCK_TIMEOUT", 600.0)
 
 
+def mask_chunk_elements() -> int:
+    """KERNELPACK_MASK_CHUNK_ELEMENTS: how many (b, h, q, kv) points kernelpack's BlockMask builder evaluates the
+    mask_mod over at once (default 2**24: 128 MiB per int64 intermediate)."""
+    value = _count("KERNELPACK_MASK_CHUNK_ELEMENTS", "a positive number of elements")
+    return 1 << 24 if not value else value
+
+
 def max_expanded_bytes() -> int:
     """``KERNELPACK_MAX_EXPANDED_BYTES``: artifacts declaring more are refused (decompression-bomb cap)."""
     value = _count("KERNELPACK_MAX_EXPANDED_BYTES", "a byte count, e.g. 68719476736")

@@ -304,6 +304,7 @@ class ModGraph:
     objects; the same meaning in another op order is another graph (as it is in inductor's keys)."""
 
     text: str
+    reads_tensors: bool = False  # reads a tensor it closes over (or a global one): by shape, not by value
 
     @property
     def key(self) -> str:
@@ -382,9 +383,15 @@ def _record(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph 
     lines: list[str] = []
     keep: list[Any] = []  # results stay alive while recording, so that their ids stay theirs
 
+    outside: list[bool] = []  # a tensor that is neither an argument nor made here was read
+
     def ref(a: Any) -> str:
         if isinstance(a, torch.Tensor):
-            return refs.get(id(a)) or f"tensor{tuple(a.shape)}:{str(a.dtype).removeprefix('torch.')}"
+            name = refs.get(id(a))
+            if name is None:
+                outside.append(True)
+                return f"tensor{tuple(a.shape)}:{str(a.dtype).removeprefix('torch.')}"
+            return name
         if isinstance(a, (list, tuple)):
             return "(" + ", ".join(map(ref, a)) + ")"
         if a is None or isinstance(a, (bool, int, float, str, torch.dtype)):
@@ -414,4 +421,5 @@ def _record(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph 
         return None
     if Recorder.concrete or not isinstance(result, torch.Tensor):
         return None
-    return ModGraph("\n".join([*lines, f"return {ref(result)}"]))
+    text = "\n".join([*lines, f"return {ref(result)}"])
+    return ModGraph(text, reads_tensors=bool(outside))

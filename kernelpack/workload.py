@@ -53,12 +53,22 @@ def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult
         seconds += time.perf_counter() - start
         if check:
             *ref, ref_lse = reference_attention(config, *inputs, dout, with_lse=True)
+            if grads and config.alias != "none":
+                ref = [ref[0], *_aliased(ref[1:], config.alias)]
             for name, g, r in zip(("out", "dq", "dk", "dv"), (out, *grads), ref, strict=False):
                 errors[f"{graph}:{name}"] = _rel_error(g, r)
             if lse is not None:
                 errors[f"{graph}:lse"] = _rel_error(lse.nan_to_num(0.0, 0.0, 0.0), ref_lse.nan_to_num(0.0, 0.0, 0.0))
     score_key = score_mod_key(score_mod_for(config)) if config.score_mod not in SCORE_MODS else ""
     return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod), score_key=score_key)
+
+
+def _aliased(grads: list[Any], alias: str) -> list[Any]:
+    """The reference gradients of q, k, v as autograd returns them when one tensor is passed for several (``alias``
+    "k=v", "q=k=v", ...): the sum over the positions it fills, for each of them."""
+    shared = set(alias.replace("=", ""))
+    total = sum(grads["qkv".index(n)] for n in sorted(shared))
+    return [total if n in shared else g for n, g in zip("qkv", grads, strict=True)]
 
 
 def check_errors(config: Config, errors: dict[str, float]) -> str | None:

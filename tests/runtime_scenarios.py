@@ -595,6 +595,46 @@ def document_mask(artifact: str, cache: str) -> dict[str, Any]:
     return out
 
 
+def evidence_edges(artifact: str, cache: str) -> dict[str, Any]:
+    """What the per-compile records must not get wrong: a compile that bypasses the FX cache is a miss; a kernel
+    built outside any compile is not charged to the next compile; torch._dynamo.reset() does not switch off strict
+    mode's check of the user's own torch.compile(flex_attention)."""
+    from torch._inductor.codecache import CppCodeCache
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    out: dict[str, Any] = {}
+    runtime.activate(artifact, cache_dir=cache, strict=True)
+    torch._dynamo.reset()  # clears every compile callback
+    c = configs(artifact)[0]
+    q, k, v = make_inputs(c, "cpu")
+    bshd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    try:
+        with torch.no_grad():
+            torch.compile(torch_flex)(*bshd, block_mask=block_mask_for(c, "cpu"))
+        out["after_reset"] = "compiled"
+    except Exception as e:
+        out["after_reset"] = f"{type(e).__name__}: {e}"
+
+    runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
+
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() * 3).cos()
+
+    torch.compile(g)(torch.randn(16))  # compiled and cached
+    torch._dynamo.reset()
+    CppCodeCache.load('extern "C" int kernelpack_probe() { return 7; }')  # a C++ build outside any compile
+    torch.compile(g)(torch.randn(16))  # an FX and AOTAutograd cache hit
+    rep = runtime.report().to_dict()
+    out["hit_after_cpp"] = [(r["fx_hits"], r["missed"], r["cpp_compiled"]) for r in rep["compiles"]][-1]
+
+    torch._inductor.config.fx_graph_cache = False  # e.g. TORCHINDUCTOR_FX_GRAPH_CACHE=0 in the job's environment
+    torch.compile(lambda x: (x.cos() * 5).sin())(torch.randn(16))
+    rep = runtime.report().to_dict()
+    last = rep["compiles"][-1]
+    out["bypassed"] = {"missed": last["missed"], "compiled": last["compiled"], "summary": rep["summary"]}
+    return out
+
+
 class _Engine:
     """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
     it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and

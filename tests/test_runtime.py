@@ -455,3 +455,14 @@ def test_a_mask_closing_over_a_tensor_is_served_from_its_factory_with_each_steps
     manifest = read_manifest(built.artifact)
     assert manifest.configs[0].score_key.startswith("graph#")
     assert manifest.signatures[0].score_mod == manifest.configs[0].score_key
+
+
+def test_per_compile_records_see_bypasses_ignore_foreign_kernels_and_survive_dynamo_reset(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    out = scenario("evidence_edges", smoke_artifact, tmp_path)
+    assert out["after_reset"].startswith("InternalTorchDynamoError: NotPrecompiledError"), out["after_reset"]
+    fx_hits, missed, cpp = out["hit_after_cpp"]
+    assert fx_hits >= 1 and not missed and cpp == 0, out["hit_after_cpp"]
+    assert out["bypassed"]["missed"] and "1 FX-graph cache bypasses" in out["bypassed"]["compiled"], out["bypassed"]
+    assert not out["bypassed"]["summary"].startswith("0 of"), out["bypassed"]["summary"]
