@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .masks import score_mod_for
+from .signature import split_layout
 
 if TYPE_CHECKING:
     import torch
@@ -41,21 +42,24 @@ def make_inputs(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dtype = getattr(torch, config.dtype)
 
-    def rand(heads: int, length: int) -> torch.Tensor:
+    layouts = split_layout(config.layout)
+    assert layouts is not None  # validated by Config
+
+    def rand(heads: int, length: int, layout: str) -> torch.Tensor:
         # drawn as [B, H, S, D] whatever the layout, so that every layout of a config sees the same values
         shape = (config.batch, heads, length, config.head_dim)
         if random:
             t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
         else:
             t = torch.zeros(shape, device=device, dtype=dtype)
-        if config.layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
+        if layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
             t = t.transpose(1, 2).contiguous().transpose(1, 2)
         return t.requires_grad_(graph == "fwd+bwd")
 
-    q = rand(config.q_heads, config.q_len)
-    k = q if config.alias in ("q=k", "q=k=v") else rand(config.kv_heads, config.kv_len)
+    q = rand(config.q_heads, config.q_len, layouts[0])
+    k = q if config.alias in ("q=k", "q=k=v") else rand(config.kv_heads, config.kv_len, layouts[1])
     shared = {"k=v": k, "q=v": q, "q=k=v": q}.get(config.alias)
-    v = shared if shared is not None else rand(config.kv_heads, config.kv_len)
+    v = shared if shared is not None else rand(config.kv_heads, config.kv_len, layouts[2])
     return q, k, v
 
 

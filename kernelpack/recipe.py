@@ -22,7 +22,8 @@ Example (``recipes/smoke-cpu.toml``)::
     mode = "default"
 
     [call]                            # how the job calls flex_attention; every key optional
-    layout = "bhsd"                   # or "bshd" (q/k/v as proj(x).view(B, S, H, D).transpose(1, 2)), or a list
+    layout = "bhsd"                   # or "bshd" (q/k/v as proj(x).view(B, S, H, D).transpose(1, 2)), or each
+                                      # ("q=bshd k=bhsd v=bhsd": a KV cache's k, v), or a list of these
     scale = 0.125                     # default: 1/sqrt(head_dim)
     return_lse = false
     enable_gqa = false                # default: q_heads != kv_heads
@@ -61,6 +62,7 @@ from .signature import (
     CallParams,
     CallSignature,
     Graph,
+    split_layout,
 )
 
 if sys.version_info >= (3, 11):
@@ -262,8 +264,8 @@ def _validate(c: Config) -> None:
             value="fwd+bwd",
             allowed="['fwd'] when device = 'cpu'",
         )
-    if c.layout not in LAYOUTS:
-        raise ConfigError("layout", "unknown layout", value=c.layout, allowed=LAYOUTS)
+    if not isinstance(c.layout, str) or split_layout(c.layout) is None:
+        raise ConfigError("layout", "unknown layout", value=c.layout, allowed=(*LAYOUTS, "'q=bshd k=bhsd v=bhsd'"))
     if c.scale is not None and (isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or c.scale <= 0):
         raise ConfigError("scale", "must be a positive number (or left out: 1/sqrt(head_dim))", value=c.scale)
     for name in ("return_lse", "enable_gqa"):
@@ -287,6 +289,9 @@ def _validate(c: Config) -> None:
         raise ConfigError("mask_dims", "unknown value", value=c.mask_dims, allowed=MASK_DIMS)
     if c.alias not in ALIASES:
         raise ConfigError("alias", "unknown value", value=c.alias, allowed=ALIASES)
+    layouts = dict(zip("qkv", split_layout(c.layout) or ("?",) * 3, strict=True))
+    if c.alias in ALIASES and len({layouts[n] for n in c.alias.replace("=", "") if n in layouts}) > 1:
+        raise ConfigError("alias", f"one tensor has one layout, but layout is {c.layout!r}", value=c.alias)
     if "q=" in c.alias and (c.q_heads, c.q_len) != (c.kv_heads, c.kv_len):
         raise ConfigError("alias", "q can be k or v only when q_heads == kv_heads and q_len == kv_len", value=c.alias)
     if not isinstance(c.score_mod, str) or not (c.score_mod in SCORE_MODS or _is_import_path(c.score_mod)):

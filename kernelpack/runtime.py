@@ -351,6 +351,8 @@ def activate(
     # only now: a failed activate() leaves the previous one in force
     _state = state = _State(active=activation, since=evidence.next_seq())
     evidence.watch_compiles(_observed, _refuse_foreign_compile)
+    if "transformers" in sys.modules:  # never imported here: it costs seconds
+        _register_transformers()
     if activation.warmup is not None:
         if activation.warmup.background:
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
@@ -358,6 +360,21 @@ def activate(
             _warm_up(state, activation)
     log.info(activation.describe())
     return activation
+
+
+def _register_transformers() -> None:
+    """attn_implementation="kernelpack" for a job that already imported transformers."""
+    from .integrations import transformers as hf
+
+    try:
+        hf.register()
+    except Exception as e:  # an untested transformers must not stop the job's start; the name is then unknown
+        warnings.warn(
+            f"kernelpack: could not register attn_implementation={hf.NAME!r} with transformers: "
+            f"{type(e).__name__}: {e} (tested: {hf.TESTED})",
+            KernelpackWarning,
+            stacklevel=3,
+        )
 
 
 def deactivate() -> None:

@@ -94,6 +94,9 @@ class CallParams:
     def __post_init__(self) -> None:
         if self.enable_gqa is None:
             object.__setattr__(self, "enable_gqa", self.q_heads != self.kv_heads)
+        layouts = split_layout(self.layout) if isinstance(self.layout, str) else None
+        if layouts is not None and len(set(layouts)) == 1:  # "q=bshd k=bshd v=bshd" is "bshd", as layout_of says
+            object.__setattr__(self, "layout", layouts[0])
         if isinstance(self.mask_dims, str) and self.mask_dims != "broadcast":
             # one batch element or one head: a per-batch (per-head) table has the broadcast one's shape
             dims = [d for d in self.mask_dims.split("+") if not (d == "per-batch" and self.batch == 1)]
@@ -144,6 +147,19 @@ def graph_of(query: Any, key: Any, value: Any) -> Graph:
 
     grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     return "fwd+bwd" if grad else "fwd"
+
+
+def split_layout(layout: str) -> tuple[str, str, str] | None:
+    """The (q, k, v) layouts a layout names: one :data:`Layout` for all three, or each as "q=bshd k=bhsd v=bhsd"
+    (transformers with a KV cache: the cache concatenates k and v into contiguous tensors). None when one of them is
+    not a :data:`Layout`."""
+    if layout in LAYOUTS:
+        return (layout, layout, layout)
+    parts = dict(part.split("=", 1) for part in layout.split() if "=" in part)
+    names = (parts.get("q"), parts.get("k"), parts.get("v"))
+    if set(parts) != {"q", "k", "v"} or len(layout.split()) != 3 or not all(n in LAYOUTS for n in names):
+        return None
+    return names  # type: ignore[return-value]
 
 
 def layout_of(query: Any, key: Any, value: Any) -> str:
@@ -276,13 +292,18 @@ def _function_digest(fn: Any, depth: int) -> str:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             value = None
-        if isinstance(value, (int, float, bool, str, type(None))):
-            h.update(repr(value).encode())
-        elif hasattr(value, "__code__") and depth < 4:  # a mask composed of masks: what they compute
-            h.update(_function_digest(value, depth + 1).encode())
-        else:
-            h.update(type(value).__name__.encode())
+        h.update(_value_digest(value, depth).encode())
     return h.hexdigest()
+
+
+def _value_digest(value: Any, depth: int) -> str:
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return repr(value)
+    if hasattr(value, "__code__") and depth < 4:  # a mask composed of masks: what they compute
+        return _function_digest(value, depth + 1)
+    if isinstance(value, (tuple, list)) and depth < 4:  # transformers' and_masks(*mask_functions)
+        return "(" + ",".join(_value_digest(v, depth + 1) for v in value) + ")"
+    return type(value).__name__
 
 
 def _code_digest(code: types.CodeType) -> bytes:
@@ -363,14 +384,34 @@ def _mod_cache_key(fn: Any, kind: str, depth: int = 0) -> tuple[Any, ...] | None
             parts.append(("tensor", tuple(value.shape), value.dtype, value.device.type))
         elif value is None or isinstance(value, (int, float, bool, str)):
             parts.append((type(value).__name__, value))
-        elif hasattr(value, "__code__"):
-            sub = _mod_cache_key(value, kind, depth + 1)
+        else:
+            sub = _cell_key(value, kind, depth)
             if sub is None:
                 return None
             parts.append(sub)
-        else:
-            return None
     return tuple(parts)
+
+
+def _cell_key(value: Any, kind: str, depth: int) -> Any:
+    """A closure cell's part of :func:`_mod_cache_key`: a function's own key, or a tuple's parts; None otherwise."""
+    import torch
+
+    if hasattr(value, "__code__"):
+        return _mod_cache_key(value, kind, depth + 1)
+    if isinstance(value, (tuple, list)) and depth < 4:
+        parts: list[Any] = ["seq"]
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                parts.append(("tensor", tuple(v.shape), v.dtype, v.device.type))
+            elif v is None or isinstance(v, (int, float, bool, str)):
+                parts.append((type(v).__name__, v))
+            else:
+                sub = _cell_key(v, kind, depth + 1)
+                if sub is None:
+                    return None
+                parts.append(sub)
+        return tuple(parts)
+    return None
 
 
 def _record(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph | None:

@@ -635,6 +635,87 @@ def evidence_edges(artifact: str, cache: str) -> dict[str, Any]:
     return out
 
 
+TINY_MISTRAL = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 64,
+    "max_position_embeddings": 512,
+}
+
+
+def transformers_model(artifact: str, cache: str) -> dict[str, Any]:
+    """A transformers model with attn_implementation="kernelpack" after activate() (which registers the name,
+    transformers being imported): its forward compiles nothing; its logits equal transformers' own flex_attention
+    implementation and SDPA on the same weights."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(**TINY_MISTRAL)
+
+    def model(attn: str) -> Any:
+        return _mistral(config, attn)
+
+    from transformers import AttentionInterface
+
+    from kernelpack.integrations import transformers as hf
+
+    runtime.activate(artifact, cache_dir=cache)
+    calls: list[tuple[int, ...]] = []
+    registered = AttentionInterface._global_mapping.get("kernelpack") is hf.attention
+
+    def counted(module: Any, query: Any, *args: Any, **kwargs: Any) -> Any:  # proves the model called kernelpack
+        calls.append(tuple(query.stride()))
+        return hf.attention(module, query, *args, **kwargs)
+
+    AttentionInterface.register("kernelpack", counted)
+    ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model("kernelpack")(ids, use_cache=False).logits
+    rep = runtime.report()
+    out: dict[str, Any] = {
+        "registered_by_activate": registered,
+        "calls": calls,
+        "summary": rep.summary(),
+        "missed": len(rep.misses),
+        "refused": [why for _, why in rep.refused],
+        "paths": sorted({r["path"] for r in rep.to_dict()["compiles"]}),
+    }
+    runtime.deactivate()  # transformers' own flex compiles: not this test's concern
+    with torch.no_grad():
+        sdpa = model("sdpa")(ids, use_cache=False).logits
+        flex = model("flex_attention")(ids, use_cache=False).logits
+    out["vs_sdpa"] = float((ours - sdpa).abs().max())
+    out["vs_flex"] = float((ours - flex).abs().max())
+    # register(takeover=True): a model that keeps attn_implementation="flex_attention" is served by kernelpack too
+    hf.register(takeover=True)
+    runtime.activate(artifact, cache_dir=cache)
+    with torch.no_grad():
+        taken = model("flex_attention")(ids, use_cache=False).logits
+    rep = runtime.report()
+    out["takeover"] = {
+        "registered": AttentionInterface._global_mapping.get("flex_attention") is hf.attention,
+        "missed": len(rep.misses),
+        "vs_ours": float((taken - ours).abs().max()),
+    }
+    return out
+
+
+def _mistral(config: Any, attn: str) -> Any:
+    """The same weights whatever the attention implementation."""
+    import copy
+
+    from transformers import MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = copy.deepcopy(config)
+    config._attn_implementation = attn
+    return MistralForCausalLM(config).eval()
+
+
 class _Engine:
     """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
     it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and

@@ -466,3 +466,31 @@ def test_per_compile_records_see_bypasses_ignore_foreign_kernels_and_survive_dyn
     assert fx_hits >= 1 and not missed and cpp == 0, out["hit_after_cpp"]
     assert out["bypassed"]["missed"] and "1 FX-graph cache bypasses" in out["bypassed"]["compiled"], out["bypassed"]
     assert not out["bypassed"]["summary"].startswith("0 of"), out["bypassed"]["summary"]
+
+
+def test_a_transformers_model_with_attn_implementation_kernelpack_compiles_nothing(tmp_path: Path) -> None:
+    """Issue 14 on CPU: the recipe written from a tiny Mistral config (sliding window, GQA 4/2), built, then the model
+    with attn_implementation="kernelpack" in a fresh process after activate(): its forward compiles nothing (the mask
+    is built without torch.compile); its logits equal transformers' own flex_attention and SDPA."""
+    pytest.importorskip("transformers")
+    from transformers import MistralConfig
+
+    from kernelpack.build import build_recipe
+    from kernelpack.integrations.transformers import recipe_for
+
+    sys.path.insert(0, str(SCENARIOS.parent))
+    from runtime_scenarios import TINY_MISTRAL
+
+    recipe = tmp_path / "mistral.toml"
+    recipe.write_text(
+        recipe_for(MistralConfig(**TINY_MISTRAL), seq_lens=[256], dtype="float32", device="cpu", graphs=["fwd"])
+    )
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed, recipe.read_text()
+    out = scenario("transformers_model", built.artifact, tmp_path)
+    assert out["registered_by_activate"] and len(out["calls"]) == TINY_MISTRAL["num_hidden_layers"], out
+    assert out["calls"][0] == [256 * 64, 16, 64, 1], out  # the transposed view of q_proj's output
+    assert out["missed"] == 0 and out["refused"] == [], out
+    assert out["paths"] == ["kernelpack warm-up"], out  # no compile of the model's own: no mask builder graph
+    assert out["vs_sdpa"] < 1e-4 and out["vs_flex"] < 1e-4, out
+    assert out["takeover"] == {"registered": True, "missed": 0, "vs_ours": 0.0}, out["takeover"]

@@ -1,0 +1,212 @@
+"""First training step of a transformers causal LM (Mistral architecture: sliding window, GQA) at several lengths,
+side by side in one run, each sample a fresh subprocess (bench/warm_start.py's protocol):
+
+  (a) cold       attn_implementation="flex_attention" (transformers' own torch.compile), empty cache dir
+  (b) warm       the same, with the cache dir (a) filled: torch's native warm start
+  (c) mega       the same, after torch.compiler.load_cache_artifacts() of the blob (a) saved, into an empty dir
+  (d) kernelpack runtime.activate(artifact) (install + warm-up included), attn_implementation="kernelpack"
+
+A step is forward + backward of the model on one batch of each length, in order. first_step = preparation + every
+length's step, synchronized; the model is built (on the GPU) before the clock starts, for all four alike. Compiles
+are counted from torch's per-compile records (kernelpack.evidence), transformers' compiled mask builder included.
+The artifact comes from the recipe this script writes (--write-recipe) with kernelpack.integrations.transformers.
+
+    python bench/transformers_step.py --write-recipe r.toml --lengths 4096,8192
+    kernelpack build r.toml -o out
+    python bench/transformers_step.py --artifact out/*.kpack --lengths 4096,8192 --repeats 3 --out t.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = {  # the attention of the DFlash drafter's target: GQA 32/8, D=128; a small MLP and vocabulary
+    "vocab_size": 1024,
+    "hidden_size": 4096,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "sliding_window": 1024,
+    "max_position_embeddings": 32768,
+}
+TINY = {
+    **MODEL,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 64,
+}
+
+
+def config(tiny: bool) -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(**(TINY if tiny else MODEL))
+
+
+def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> None:
+    import torch
+    from transformers import MistralForCausalLM
+
+    from kernelpack import evidence, runtime
+    from kernelpack.artifact import read_manifest
+
+    manifest = read_manifest(artifact)
+    cuda = manifest.build_key.device_type == "cuda"
+    device = "cuda:0" if cuda else "cpu"
+    lengths = sorted({c.config.q_len for c in manifest.configs})
+    train = all(c.config.backward for c in manifest.configs)
+    tiny = manifest.configs[0].config.q_heads == TINY["num_attention_heads"]
+    if cuda:
+        torch.cuda.init()
+    evidence.install_hooks()
+    evidence.watch_compiles()
+    cfg = config(tiny)
+    cfg._attn_implementation = "kernelpack" if mode == "kernelpack" else "flex_attention"
+    if mode == "kernelpack":  # the name must be known when the model is built; activate() below does it too
+        from kernelpack.integrations import transformers as hf
+
+        hf.register()
+    torch.manual_seed(0)
+    t_model = time.perf_counter()
+    with torch.device(device):
+        model = MistralForCausalLM(cfg).to(getattr(torch, manifest.configs[0].config.dtype)).train(train)
+    model_s = time.perf_counter() - t_model
+    batches = [torch.randint(0, cfg.vocab_size, (1, n), device=device) for n in lengths]
+    mark = evidence.next_seq()
+    t0 = time.perf_counter()
+    if mode == "kernelpack":
+        runtime.activate(artifact, cache_dir=cache_dir)  # transformers is imported: registers "kernelpack"
+    elif mode == "mega":
+        torch.compiler.load_cache_artifacts(Path(blob).read_bytes())
+    prep = time.perf_counter() - t0
+    step_mark = evidence.next_seq()
+
+    def step() -> list[float]:
+        seconds = []
+        for ids in batches:
+            s = time.perf_counter()
+            with torch.set_grad_enabled(train):
+                out = model(ids, labels=ids if train else None, use_cache=False)
+            if train:
+                out.loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - s)
+        return seconds
+
+    first = step()
+    second = step()
+    compiles = evidence.compile_records(step_mark)
+    out = {
+        "mode": mode,
+        "lengths": lengths,
+        "model_s": model_s,
+        "prep": prep,
+        "first_step": prep + sum(first),
+        "first_step_by_length": first,
+        "second_step": sum(second),
+        "compiles_in_steps": len(compiles),
+        "misses_in_steps": sum(r.missed for r in compiles),
+        "fx_misses_in_steps": sum(r.fx_misses or 0 for r in compiles),
+        "fx_hits_in_steps": sum(r.fx_hits or 0 for r in compiles),
+        "compiled_code": sorted({r.code.split(" (")[0] for r in compiles}),
+        "compiles_in_prep": len(evidence.compile_records(mark)) - len(compiles),
+        "torch": torch.__version__,
+        "git": torch.version.git_version,
+    }
+    if mode == "kernelpack":
+        out["report"] = runtime.report().summary()
+    if mode == "cold":
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(blob).write_bytes(saved[0])
+    Path(result).write_text(json.dumps(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--artifact")
+    ap.add_argument("--write-recipe", help="write the model's recipe (kernelpack.integrations.transformers.recipe_for)")
+    ap.add_argument("--lengths", default="4096,8192")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU dry runs; forward only on CPU)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="cold,warm,mega,kernelpack")
+    ap.add_argument("--out", default="transformers_step.json")
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args()
+    if args.write_recipe:
+        from kernelpack.integrations.transformers import recipe_for
+
+        graphs = ["fwd"] if args.device == "cpu" else ["fwd", "fwd+bwd"]
+        dtype = "float32" if args.device == "cpu" else "bfloat16"
+        text = recipe_for(
+            config(args.tiny),
+            seq_lens=[int(n) for n in args.lengths.split(",")],
+            dtype=dtype,
+            device=args.device,
+            graphs=graphs,
+            name="mistral-bench",
+        )
+        Path(args.write_recipe).write_text(text)
+        print(text)
+        return
+    import warm_start  # the same fresh-process protocol
+
+    modes = args.modes.split(",")
+    work = Path(tempfile.mkdtemp(prefix="kp-transformers-"))
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    warm_dir, blob = work / "warm", work / "mega.bin"
+    try:
+        for i in range(args.repeats):  # interleaved, so that drift hits every mode alike
+            for mode in modes:
+                if mode == "cold":
+                    d, b = (warm_dir, blob) if i == 0 else (work / f"cold{i}", work / "x.bin")
+                elif mode == "warm":
+                    d, b = warm_dir, blob
+                else:
+                    d, b = work / f"{mode}{i}", blob
+                samples[mode].append(warm_start.run_child(mode, d, args.artifact, b, args.timeout, script=__file__))
+                if mode in ("mega", "kernelpack"):
+                    shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary = {
+        m: {
+            "median_first_step": statistics.median(s["first_step"] for s in samples[m]),
+            "median_prep": statistics.median(s["prep"] for s in samples[m]),
+            "median_second_step": statistics.median(s["second_step"] for s in samples[m]),
+            "compiles_in_steps": [s["compiles_in_steps"] for s in samples[m]],
+            "misses_in_steps": [s["misses_in_steps"] for s in samples[m]],
+        }
+        for m in modes
+    }
+    Path(args.out).write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
+    print("| mode | first step (median s) | prep (s) | second step (s) | compiles (misses) in the steps, per run |")
+    print("|---|---|---|---|---|")
+    for m in modes:
+        s = summary[m]
+        runs = ", ".join(f"{c} ({x})" for c, x in zip(s["compiles_in_steps"], s["misses_in_steps"], strict=True))
+        print(
+            f"| {m} | {s['median_first_step']:.2f} | {s['median_prep']:.2f} | {s['median_second_step']:.2f} | {runs} |"
+        )
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # warm_start's protocol: mode, cache, artifact, blob, result
+        child(*sys.argv[2:7])
+    else:
+        main()

@@ -1,0 +1,332 @@
+"""transformers: ``attn_implementation="kernelpack"`` serves a transformers model from the artifact.
+
+:func:`register` registers the name ``"kernelpack"`` with transformers' ``AttentionInterface`` (:func:`attention`,
+transformers' own ``flex_attention_forward`` calling :func:`kernelpack.flex_attention` instead of its own
+``torch.compile(flex_attention)``) and ``AttentionMaskInterface`` (:func:`block_mask`, transformers'
+``flex_attention_mask`` building the BlockMask without ``torch.compile``, in bounded memory). So a model loaded with
+``attn_implementation="kernelpack"`` makes calls an artifact can serve:
+
+- the attention call: transposed-view q/k/v, GQA (``enable_gqa``, or transformers' ``repeat_kv`` for head counts
+  that are not a power of two), ``scaling``, softcap, the lse through ``return_aux`` on CUDA (not on CPU, as
+  transformers does), the score_mod closure of this module (so a recipe's score_mod factory returns the very same
+  code and Dynamo serves it as it is);
+- the mask: transformers' own mask functions (sliding window, causal, padding, offsets) evaluated eagerly by
+  :func:`kernelpack.masks.eager_block_mask`. transformers' own path builds it with ``create_block_mask(...,
+  _compile=True)``, one more compiled graph per length, traced during training (FINDINGS "Third reading": one of the
+  3 FX misses); kernelpack's builder traces nothing.
+
+:func:`recipe_for` writes the recipe of a model config (heads, head_dim, sliding window, scaling, dtype, lengths,
+graphs); its ``mask`` and ``score_mod`` are the factories :func:`sliding_window_mask`, :func:`causal_mask` and
+:func:`recipe_score_mod`. :func:`kernelpack.runtime.activate` calls :func:`register` when transformers is already
+imported (importing it costs seconds, so kernelpack never does it for you).
+
+Tested with transformers 5.17 (``kernelpack[transformers]``); the attention function mirrors
+``transformers.integrations.flex_attention.flex_attention_forward`` of that release.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..errors import KernelpackError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..recipe import Config
+
+NAME = "kernelpack"
+TESTED = "transformers>=5.17,<6"
+
+
+def register(*, takeover: bool = False) -> None:
+    """Register ``"kernelpack"`` with transformers' attention and mask interfaces: then
+    ``from_pretrained(..., attn_implementation="kernelpack")`` (or ``config._attn_implementation = "kernelpack"``)
+    routes attention through kernelpack. ``takeover=True`` also serves models that keep
+    ``attn_implementation="flex_attention"`` (SpecForge dispatches through that name) by registering the same
+    functions under it, for every model in this process. Idempotent."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise KernelpackError(
+            f"kernelpack's transformers integration needs transformers: {e}",
+            hint=f"pip install 'kernelpack[transformers]' ({TESTED})",
+        ) from e
+    names = (NAME, "flex_attention") if takeover else (NAME,)
+    for name in names:
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, block_mask)
+
+
+def registered() -> bool:
+    """Whether ``"kernelpack"`` is registered with transformers in this process (False when it is not imported)."""
+    module = sys.modules.get("transformers.masking_utils")
+    return module is not None and module.AttentionMaskInterface._global_mapping.get(NAME) is block_mask
+
+
+# ------------------------------------------------------------------------------------------------ the call
+
+
+def score_mod(
+    softcap: float | None = None, score_mask: torch.Tensor | None = None, position_bias: torch.Tensor | None = None
+) -> Callable[..., Any]:
+    """The score_mod transformers passes (``flex_attention_forward``'s closure): softcap, an additive score mask,
+    a position bias, each when given. The identity without them. One code object for every call and for the
+    recipe's factory (:func:`recipe_score_mod`), so that Dynamo serves the warmed graph without a stand-in."""
+    import torch
+
+    def transformers_score_mod(score: Any, batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if score_mask is not None:
+            score = score + score_mask[batch_idx][0][q_idx][kv_idx]
+        if position_bias is not None:
+            score = score + position_bias[batch_idx, head_idx, q_idx, kv_idx]
+        return score
+
+    return transformers_score_mod
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' ``flex_attention_forward`` (5.17) with :func:`kernelpack.flex_attention` for the call: the
+    same arguments, numerics and outputs (attention output as [B, S, H, D], and the lse on CUDA)."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if kwargs.get("dropout", 0.0) > 0:
+        raise ValueError(
+            "`flex_attention` does not support `dropout`. Please use it with inference only (`model.eval()`) or turn "
+            "off the attention dropout in the respective config."
+        )
+    block = attention_mask if isinstance(attention_mask, BlockMask) else None
+    score_mask = None if block is not None else attention_mask
+    if score_mask is not None:
+        score_mask = score_mask[:, :, :, : key.shape[-2]]
+    enable_gqa = True
+    heads = query.shape[1]
+    if heads & (heads - 1):  # not a power of two (tensor parallel shards): transformers repeats k and v
+        key = _repeat_kv(key, heads // key.shape[1])
+        value = _repeat_kv(value, heads // value.shape[1])
+        enable_gqa = False
+    return_lse = query.device.type != "cpu"  # transformers: the lse is not returned on CPU
+    if not return_lse and s_aux is not None:
+        raise ValueError(
+            "Attention sinks cannot be run on CPU with flex attention. Please switch to a different device, e.g. CUDA"
+        )
+    out = _entry()(
+        query,
+        key,
+        value,
+        score_mod=score_mod(softcap, score_mask, position_bias),
+        block_mask=block,
+        enable_gqa=enable_gqa,
+        scale=scaling,
+        kernel_options=kwargs.get("kernel_options"),
+        **_lse_kwargs(return_lse),
+    )
+    lse = None
+    if return_lse:
+        out, aux = out
+        lse = (aux.lse if hasattr(aux, "lse") else aux).to(value.dtype)
+        if s_aux is not None:  # attention sinks: renormalize with the lse, as transformers does
+            b, h, s, _ = out.shape
+            sinks = s_aux.view(1, -1, 1, 1).expand(b, h, s, 1)
+            lse_expanded = lse.unsqueeze(-1)
+            combined = torch.logsumexp(torch.cat([lse_expanded, sinks], dim=-1), dim=-1, keepdim=True)
+            out = (out * torch.exp(lse_expanded - combined)).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), lse
+
+
+def _lse_kwargs(return_lse: bool) -> dict[str, Any]:
+    # torch >= 2.9 asks for the lse with return_aux (return_lse is deprecated there), as transformers does
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": return_lse}
+    return {"return_aux": AuxRequest(lse=True) if return_lse else None}
+
+
+def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
+    b, h, s, d = hidden.shape
+    if n_rep == 1:
+        return hidden
+    return hidden[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
+
+
+def _entry() -> Callable[..., Any]:
+    """kernelpack's guarded entry compiled with the active artifact's options (the defaults otherwise)."""
+    from .. import runtime
+
+    active = runtime._state.active
+    options = (
+        {(c.config.mode, c.config.dynamic) for c in active.manifest.configs} if active and active.manifest else set()
+    )
+    if len(options) == 1:
+        mode, dynamic = options.pop()
+        if (mode, dynamic) != ("default", False):
+            return runtime.guarded(mode, dynamic)
+    return runtime.flex_attention
+
+
+# ------------------------------------------------------------------------------------------------ the mask
+
+
+def block_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    device: Any = "cpu",
+    **kwargs: Any,
+) -> Any:
+    """transformers' ``flex_attention_mask`` (5.17) built by :func:`kernelpack.masks.eager_block_mask`: the same
+    mask, with no ``torch.compile`` (nothing to trace during training, no graph to ship), in bounded memory.
+
+    The BlockMask is per batch element only when a padding mask makes it depend on the batch (``mask_dims =
+    "per-batch"``), else broadcast; offsets wrap the mask function only when not zero."""
+    from transformers.masking_utils import (
+        add_offsets_to_mask_function,
+        and_masks,
+        causal_mask_function,
+        padding_mask_function,
+        prepare_padding_mask,
+    )
+
+    from ..masks import eager_block_mask
+
+    function = mask_function if mask_function is not None else causal_mask_function
+    per_batch = False
+    if attention_mask is not None and not bool(attention_mask.all()):
+        padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        assert padding is not None
+        function = and_masks(function, padding_mask_function(padding))
+        per_batch = True
+    if q_offset or kv_offset:
+        function = add_offsets_to_mask_function(function, q_offset, kv_offset)
+    return eager_block_mask(function, batch_size if per_batch else None, None, q_length, kv_length, device)
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+
+def recipe_score_mod(config: Config) -> Callable[..., Any]:
+    """Recipe score_mod factory: :func:`score_mod` without softcap, score mask or position bias (the identity), the
+    closure :func:`attention` passes for such a model."""
+    return score_mod()
+
+
+def sliding_window_mask(config: Config) -> Callable[..., Any]:
+    """Recipe mask factory: transformers' sliding-window causal mask function for ``config.window`` (what a model
+    with ``sliding_window = W`` passes to the mask interface)."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    if config.window is None:
+        raise KernelpackError(
+            "mask kernelpack.integrations.transformers:sliding_window_mask needs windows",
+            hint="windows = [W] (the model config's sliding_window), or mask = "
+            '"kernelpack.integrations.transformers:causal_mask"',
+        )
+    return sliding_window_causal_mask_function(config.window)
+
+
+def causal_mask(config: Config) -> Callable[..., Any]:
+    """Recipe mask factory: transformers' causal mask function (a model without a sliding window)."""
+    from transformers.masking_utils import causal_mask_function
+
+    return causal_mask_function
+
+
+def recipe_for(
+    model_config: Any,
+    *,
+    seq_lens: Sequence[int],
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    batch: int = 1,
+    graphs: Sequence[str] = ("fwd", "fwd+bwd"),
+    use_cache: bool = False,
+    name: str | None = None,
+) -> str:
+    """The recipe (TOML text) of the attention calls a transformers model config makes through
+    ``attn_implementation="kernelpack"``: heads, head_dim, the sliding window, the scaling, GQA as transformers
+    passes it, the layout (q/k/v transposed views; with ``use_cache`` k and v come contiguous from the cache), the
+    lse on CUDA. One recipe per mask: a model that mixes full and sliding-window layers needs one of each."""
+    q_heads = int(model_config.num_attention_heads)
+    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or q_heads)
+    head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // q_heads)
+    if getattr(model_config, "attn_logit_softcapping", None) or getattr(model_config, "final_logit_softcapping", None):
+        raise KernelpackError(
+            "recipe_for: this model soft-caps its attention logits, which recipes cannot declare yet",
+            hint="write the recipe by hand with a score_mod factory that returns "
+            "kernelpack.integrations.transformers.score_mod(softcap)",
+        )
+    layer_types = set(getattr(model_config, "layer_types", None) or ())
+    if len(layer_types) > 1:
+        raise KernelpackError(
+            f"recipe_for: this model mixes attention layers {sorted(layer_types)}",
+            hint="write one recipe per mask (sliding_window_mask with windows, and causal_mask)",
+        )
+    window = getattr(model_config, "sliding_window", None)
+    if window and getattr(model_config, "use_sliding_window", True) is False:
+        window = None
+    scalar = getattr(model_config, "query_pre_attn_scalar", None) or head_dim
+    scale = float(scalar) ** -0.5
+    enable_gqa = not (q_heads & (q_heads - 1))  # else transformers repeats k, v to q_heads
+    if not enable_gqa:
+        kv_heads = q_heads
+    layout = "q=bshd k=bhsd v=bhsd" if use_cache else "bshd"
+    model_type = str(getattr(model_config, "model_type", "model"))
+    lines = [
+        f'# {model_type} through attn_implementation="kernelpack" (kernelpack.integrations.transformers.recipe_for)',
+        f'name = "{name or f"{model_type}-kernelpack"}"',
+        f'device = "{device}"',
+    ]
+    if window:
+        lines += ['mask = "kernelpack.integrations.transformers:sliding_window_mask"', f"windows = [{int(window)}]"]
+    else:
+        lines.append('mask = "kernelpack.integrations.transformers:causal_mask"')
+    lines += [
+        "",
+        "[matrix]",
+        f"batch = {batch}",
+        f"q_heads = {q_heads}",
+        f"kv_heads = {kv_heads}",
+        f"seq_len = [{', '.join(str(int(n)) for n in seq_lens)}]",
+        f"head_dim = {head_dim}",
+        f'dtypes = ["{dtype}"]',
+        f"graphs = [{', '.join(f'{g!r}' for g in graphs)}]".replace("'", '"'),
+        "",
+        "[call]",
+        f'layout = "{layout}"',
+        f"scale = {scale!r}",
+        f"enable_gqa = {'true' if enable_gqa else 'false'}",
+        'score_mod = "kernelpack.integrations.transformers:recipe_score_mod"',
+    ]
+    if device == "cuda":
+        lines.append('return_aux = "lse"' if _has_aux() else "return_lse = true")
+    return "\n".join(lines) + "\n"
+
+
+def _has_aux() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
+    except ImportError:
+        return False
+    return True
