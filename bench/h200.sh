@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
 #   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
-#                       ckpt-collect|user-bg|user-collect|all]
+#                       ckpt-collect|user-bg|user-collect|tf|all]
 # RECIPE (default recipes/dflash-drafter.toml) is what build builds; user-bg needs recipes/dflash-drafter-bshd.toml.
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
@@ -94,6 +94,17 @@ if [[ $what == user-collect ]]; then
   if [[ ! -d /tmp/user-out ]]; then echo "no background user-block benchmark on this machine (it went cold)"; exit 3; fi
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/user-out/done ]] && break; sleep 5; done
   cp /tmp/user-out/* "$OUT/" 2>/dev/null; cat "$OUT/user_block.log" "$OUT/checkpoint_threads_hf.log" 2>/dev/null | tail -40
+fi
+# Issue 14: a transformers causal LM through attn_implementation="kernelpack" (bench/transformers_step.py), and the
+# bounded BlockMask builder (bench/mask_builder.py).
+if [[ $what == tf ]]; then
+  rm -rf /tmp/kp-tf; mkdir -p /tmp/kp-tf
+  python3 bench/transformers_step.py --write-recipe /tmp/kp-tf/mistral.toml --lengths ${TF_LENGTHS:-4096,8192} \
+    > "$OUT/transformers-recipe.toml"
+  python3 -m kernelpack.cli build /tmp/kp-tf/mistral.toml -o /tmp/kp-tf --jobs 4 2>&1 | tee "$OUT/build-transformers.log"
+  timeout ${TF_TIMEOUT:-420} python3 bench/transformers_step.py --artifact /tmp/kp-tf/*.kpack \
+    --repeats ${TF_REPEATS:-2} --out "$OUT/transformers_step.json" 2>&1 | tee "$OUT/transformers_step.log"
+  python3 bench/mask_builder.py --device cuda --lengths 4096,16384 > "$OUT/mask_builder.jsonl" 2>&1
 fi
 if [[ $what == keep ]]; then cp $ART_DIR/*.kpack "$OUT/"; fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.
