@@ -351,8 +351,7 @@ def activate(
     # only now: a failed activate() leaves the previous one in force
     _state = state = _State(active=activation, since=evidence.next_seq())
     evidence.watch_compiles(_observed, _refuse_foreign_compile)
-    if "transformers" in sys.modules:  # never imported here: it costs seconds
-        _register_transformers()
+    _register_integrations()
     if activation.warmup is not None:
         if activation.warmup.background:
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
@@ -362,19 +361,26 @@ def activate(
     return activation
 
 
-def _register_transformers() -> None:
-    """attn_implementation="kernelpack" for a job that already imported transformers."""
-    from .integrations import transformers as hf
+# library -> the kernelpack integration activate() registers when the job has imported that library (never
+# imported here: transformers costs seconds). By name, as fsspec's known_implementations: an integration is a client
+# of this module (it calls the guarded entry), a layer above it.
+INTEGRATIONS = {"transformers": "kernelpack.integrations.transformers"}
 
-    try:
-        hf.register()
-    except Exception as e:  # an untested transformers must not stop the job's start; the name is then unknown
-        warnings.warn(
-            f"kernelpack: could not register attn_implementation={hf.NAME!r} with transformers: "
-            f"{type(e).__name__}: {e} (tested: {hf.TESTED})",
-            KernelpackWarning,
-            stacklevel=3,
-        )
+
+def _register_integrations() -> None:
+    import importlib
+
+    for library, module_name in INTEGRATIONS.items():
+        if library not in sys.modules:
+            continue
+        try:
+            importlib.import_module(module_name).register()
+        except Exception as e:  # an untested version must not stop the job's start; the name is then unknown
+            warnings.warn(
+                f"kernelpack: could not register kernelpack with {library}: {type(e).__name__}: {e}",
+                KernelpackWarning,
+                stacklevel=3,
+            )
 
 
 def deactivate() -> None:

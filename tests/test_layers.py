@@ -34,19 +34,29 @@ LAYERS = {
     "store": 2,
     # process: the one module with process side effects
     "runtime": 3,
+    # clients of the runtime: integrations with libraries (runtime names them in INTEGRATIONS, never imports them)
+    "integrations": 4,
     # tools
-    "workload": 4,
-    "build": 4,
-    "verify": 4,
-    "cli": 4,
+    "workload": 5,
+    "build": 5,
+    "verify": 5,
+    "cli": 5,
 }
 
 
-def imports_of(path: Path) -> set[str]:
-    """The kernelpack modules ``path`` imports, anywhere in the file (module level, functions, TYPE_CHECKING)."""
+def imports_of(path: Path, depth: int = 1) -> set[str]:
+    """The kernelpack modules ``path`` imports, anywhere in the file (module level, functions, TYPE_CHECKING);
+    ``depth`` 2 for a module of a subpackage (its ``from ..x`` imports are kernelpack's)."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
+        if isinstance(node, ast.ImportFrom) and depth == 2:
+            if node.level == 2 and node.module is None:
+                found.update(alias.name for alias in node.names)
+            elif node.level == 2 and node.module:
+                found.add(node.module.split(".")[0])
+            elif node.level == 0 and node.module and node.module.startswith("kernelpack."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom):
             if node.level == 1 and node.module is None:  # from . import a, b
                 found.update(alias.name for alias in node.names)
             elif node.level == 1 and node.module:  # from .a import x
@@ -60,7 +70,11 @@ def imports_of(path: Path) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}  # the facade resolves lazily
-    return {name: imports_of(path) & modules.keys() for name, path in sorted(modules.items())}
+    graph = {name: imports_of(path) & (modules.keys() | {"integrations"}) for name, path in sorted(modules.items())}
+    # a subpackage is one node: the union of its modules' imports
+    graph["integrations"] = set().union(*(imports_of(p, 2) for p in (PACKAGE / "integrations").glob("*.py")))
+    graph["integrations"] &= modules.keys()
+    return graph
 
 
 def upward_edges(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:

@@ -1,0 +1,64 @@
+"""kernelpack.integrations.transformers without a build: the recipe a model config gives, and its refusals."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from transformers import MistralConfig
+
+from kernelpack.errors import KernelpackError
+from kernelpack.integrations.transformers import recipe_for
+from kernelpack.recipe import parse_recipe
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 64}
+
+
+def configs(text: str) -> list:
+    return list(parse_recipe(tomllib.loads(text), path="r.toml").configs)
+
+
+def test_the_recipe_declares_the_call_transformers_makes() -> None:
+    (c,) = configs(recipe_for(MistralConfig(**BASE), seq_lens=[512], device="cuda", graphs=["fwd+bwd"]))
+    assert (c.q_heads, c.kv_heads, c.head_dim, c.q_len, c.window) == (4, 2, 16, 512, 64)
+    assert c.layout == "bshd" and c.scale == 16**-0.5 and c.enable_gqa and c.return_aux == "lse"
+    assert c.mask == "kernelpack.integrations.transformers:sliding_window_mask" and c.dtype == "bfloat16"
+    cached = configs(recipe_for(MistralConfig(**BASE), seq_lens=[512], device="cuda", use_cache=True))[0]
+    assert cached.layout == "q=bshd k=bhsd v=bhsd"  # the KV cache concatenates k and v into contiguous tensors
+    (cpu,) = configs(recipe_for(MistralConfig(**BASE), seq_lens=[512], dtype="float32", device="cpu", graphs=["fwd"]))
+    assert cpu.return_aux == "none" and not cpu.return_lse  # transformers asks for no lse on CPU
+
+
+def test_head_counts_that_are_not_a_power_of_two_repeat_kv_as_transformers_does() -> None:
+    config = MistralConfig(**{**BASE, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96})
+    (c,) = configs(recipe_for(config, seq_lens=[256], device="cuda"))
+    assert (c.q_heads, c.kv_heads, c.enable_gqa) == (6, 6, False)
+
+
+def test_no_window_is_the_causal_mask() -> None:
+    (c,) = configs(recipe_for(MistralConfig(**{**BASE, "sliding_window": None}), seq_lens=[256], device="cuda"))
+    assert c.mask == "kernelpack.integrations.transformers:causal_mask" and c.window is None
+
+
+@pytest.mark.parametrize(
+    "over, fragment",
+    [
+        ({"attn_logit_softcapping": 50.0}, "soft-caps"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "mixes attention layers"),
+    ],
+)
+def test_what_a_recipe_cannot_declare_yet_is_refused(over: dict, fragment: str) -> None:
+    config = MistralConfig(**BASE)
+    for k, v in over.items():
+        setattr(config, k, v)
+    with pytest.raises(KernelpackError, match=fragment) as exc:
+        recipe_for(config, seq_lens=[256])
+    assert exc.value.hint
