@@ -95,8 +95,9 @@ class CallParams:
         if self.enable_gqa is None:
             object.__setattr__(self, "enable_gqa", self.q_heads != self.kv_heads)
         layouts = split_layout(self.layout) if isinstance(self.layout, str) else None
-        if layouts is not None and len(set(layouts)) == 1:  # "q=bshd k=bshd v=bshd" is "bshd", as layout_of says
-            object.__setattr__(self, "layout", layouts[0])
+        if layouts is not None:  # as layout_of writes it: "q=bshd k=bshd v=bshd" is "bshd"
+            each = " ".join(f"{n}={x}" for n, x in zip("qkv", layouts, strict=True))
+            object.__setattr__(self, "layout", layouts[0] if len(set(layouts)) == 1 else each)
         if isinstance(self.mask_dims, str) and self.mask_dims != "broadcast":
             # one batch element or one head: a per-batch (per-head) table has the broadcast one's shape
             dims = [d for d in self.mask_dims.split("+") if not (d == "per-batch" and self.batch == 1)]
@@ -155,11 +156,10 @@ def split_layout(layout: str) -> tuple[str, str, str] | None:
     not a :data:`Layout`."""
     if layout in LAYOUTS:
         return (layout, layout, layout)
-    parts = dict(part.split("=", 1) for part in layout.split() if "=" in part)
-    names = (parts.get("q"), parts.get("k"), parts.get("v"))
-    if set(parts) != {"q", "k", "v"} or len(layout.split()) != 3 or not all(n in LAYOUTS for n in names):
-        return None
-    return names  # type: ignore[return-value]
+    parts = [part.split("=", 1) for part in layout.split()]
+    if [p[0] for p in parts] != ["q", "k", "v"] or any(len(p) != 2 or p[1] not in LAYOUTS for p in parts):
+        return None  # only in the order layout_of writes: q, k, v
+    return (parts[0][1], parts[1][1], parts[2][1])
 
 
 def layout_of(query: Any, key: Any, value: Any) -> str:

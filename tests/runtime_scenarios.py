@@ -716,6 +716,26 @@ def _mistral(config: Any, attn: str) -> Any:
     return MistralForCausalLM(config).eval()
 
 
+def transformers_packed(artifact: str, cache: str) -> dict[str, Any]:
+    """Packed sequences (position_ids that restart) in a batch of 2 through attn_implementation="kernelpack", no
+    artifact (kernelpack compiles at the gate): each row's own documents, as SDPA computes them. transformers' packed
+    mask reads the batch index, so the BlockMask must be per batch element."""
+    from kernelpack.integrations import transformers as hf
+
+    hf.register()
+    config_ = __import__("transformers").MistralConfig(**{**TINY_MISTRAL, "sliding_window": None})
+    s = 256
+    ids = torch.randint(1, config_.vocab_size, (2, s), generator=torch.Generator().manual_seed(1))
+    pos = torch.stack([torch.arange(s), torch.cat([torch.arange(100), torch.arange(s - 100)])])
+    ours, sdpa = _mistral(config_, "kernelpack"), _mistral(config_, "sdpa")
+    out = {}
+    for name, p in (("packed", pos), ("flipped", pos.flip(0))):
+        with torch.no_grad():
+            d = ours(ids, position_ids=p, use_cache=False).logits - sdpa(ids, position_ids=p, use_cache=False).logits
+        out[name] = [float(d[0].abs().max()), float(d[1].abs().max())]
+    return out
+
+
 class _Engine:
     """One executor thread standing in for the autograd engine's device thread, and a thread "A" whose compile needs
     it: a Dynamo compile-start callback in A (on CUDA, make_fx's ``torch.autograd.grad``) submits to the executor and

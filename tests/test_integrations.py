@@ -41,6 +41,16 @@ def test_head_counts_that_are_not_a_power_of_two_repeat_kv_as_transformers_does(
     config = MistralConfig(**{**BASE, "num_attention_heads": 6, "num_key_value_heads": 2, "hidden_size": 96})
     (c,) = configs(recipe_for(config, seq_lens=[256], device="cuda"))
     assert (c.q_heads, c.kv_heads, c.enable_gqa) == (6, 6, False)
+    assert c.layout == "q=bshd k=bhsd v=bhsd"  # repeat_kv's copies are contiguous
+
+
+def test_the_layers_decide_the_mask_and_the_batch_its_dims() -> None:
+    full = MistralConfig(**BASE)
+    full.layer_types = ["full_attention"] * full.num_hidden_layers  # sliding_window set, but no layer slides
+    (c,) = configs(recipe_for(full, seq_lens=[256], device="cuda"))
+    assert c.mask == "kernelpack.integrations.transformers:causal_mask"
+    (b,) = configs(recipe_for(MistralConfig(**BASE), seq_lens=[256], device="cuda", batch=2))
+    assert b.mask_dims == "per-batch"  # transformers builds one block table per batch element
 
 
 def test_no_window_is_the_causal_mask() -> None:

@@ -75,12 +75,13 @@ def score_mod(
 ) -> Callable[..., Any]:
     """The score_mod transformers passes (``flex_attention_forward``'s closure): softcap, an additive score mask,
     a position bias, each when given. The identity without them. One code object for every call and for the
-    recipe's factory (:func:`recipe_score_mod`), so that Dynamo serves the warmed graph without a stand-in."""
-    import torch
+    recipe's factory (:func:`recipe_score_mod`), so that Dynamo serves the warmed graph without a stand-in. It
+    closes over plain values only (``Tensor.tanh``, not the ``torch`` module), so its graph is recorded once per
+    softcap value, not per call."""
 
     def transformers_score_mod(score: Any, batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
         if softcap is not None:
-            score = softcap * torch.tanh(score / softcap)
+            score = softcap * (score / softcap).tanh()
         if score_mask is not None:
             score = score + score_mask[batch_idx][0][q_idx][kv_idx]
         if position_bias is not None:
@@ -106,6 +107,7 @@ def attention(
     same arguments, numerics and outputs (attention output as [B, S, H, D], and the lse on CUDA)."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     if kwargs.get("dropout", 0.0) > 0:
         raise ValueError(
@@ -127,7 +129,10 @@ def attention(
         raise ValueError(
             "Attention sinks cannot be run on CPU with flex attention. Please switch to a different device, e.g. CUDA"
         )
-    out = _entry()(
+    # inside the user's own torch.compile(model): torch's flex_attention, inlined into their graph (transformers
+    # does the same); kernelpack's gate is not traceable and its artifact cannot serve another graph anyway
+    flex: Any = torch_flex if torch.compiler.is_compiling() else _entry()
+    out = flex(
         query,
         key,
         value,
@@ -167,19 +172,25 @@ def _repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
 
 
+_entries: dict[int, Callable[..., Any]] = {}
+
+
 def _entry() -> Callable[..., Any]:
-    """kernelpack's guarded entry compiled with the active artifact's options (the defaults otherwise)."""
+    """kernelpack's guarded entry compiled with the active artifact's options (the defaults otherwise; with several
+    option sets in one artifact, the defaults: such a recipe is served through kernelpack.runtime.guarded)."""
     from .. import runtime
 
     active = runtime._state.active
-    options = (
-        {(c.config.mode, c.config.dynamic) for c in active.manifest.configs} if active and active.manifest else set()
-    )
-    if len(options) == 1:
-        mode, dynamic = options.pop()
-        if (mode, dynamic) != ("default", False):
-            return runtime.guarded(mode, dynamic)
-    return runtime.flex_attention
+    if active is None or active.manifest is None:
+        return runtime.flex_attention
+    entry = _entries.get(id(active))
+    if entry is None:
+        options = {(c.config.mode, c.config.dynamic) for c in active.manifest.configs}
+        mode, dynamic = options.pop() if len(options) == 1 else ("default", False)
+        entry = runtime.flex_attention if (mode, dynamic) == ("default", False) else runtime.guarded(mode, dynamic)
+        _entries.clear()  # one activation at a time
+        _entries[id(active)] = entry
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------ the mask
@@ -199,8 +210,9 @@ def block_mask(
     """transformers' ``flex_attention_mask`` (5.17) built by :func:`kernelpack.masks.eager_block_mask`: the same
     mask, with no ``torch.compile`` (nothing to trace during training, no graph to ship), in bounded memory.
 
-    The BlockMask is per batch element only when a padding mask makes it depend on the batch (``mask_dims =
-    "per-batch"``), else broadcast; offsets wrap the mask function only when not zero."""
+    The BlockMask has one block table per batch element, as transformers builds it (``mask_dims = "per-batch"``
+    when the batch is larger than 1): packed sequences, padding and model-specific masks read the batch index.
+    Offsets wrap the mask function only when not zero."""
     from transformers.masking_utils import (
         add_offsets_to_mask_function,
         and_masks,
@@ -212,15 +224,13 @@ def block_mask(
     from ..masks import eager_block_mask
 
     function = mask_function if mask_function is not None else causal_mask_function
-    per_batch = False
     if attention_mask is not None and not bool(attention_mask.all()):
         padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
         assert padding is not None
         function = and_masks(function, padding_mask_function(padding))
-        per_batch = True
     if q_offset or kv_offset:
         function = add_offsets_to_mask_function(function, q_offset, kv_offset)
-    return eager_block_mask(function, batch_size if per_batch else None, None, q_length, kv_length, device)
+    return eager_block_mask(function, batch_size, None, q_length, kv_length, device)
 
 
 # ------------------------------------------------------------------------------------------------ recipes
@@ -271,7 +281,7 @@ def recipe_for(
     q_heads = int(model_config.num_attention_heads)
     kv_heads = int(getattr(model_config, "num_key_value_heads", None) or q_heads)
     head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // q_heads)
-    if getattr(model_config, "attn_logit_softcapping", None) or getattr(model_config, "final_logit_softcapping", None):
+    if getattr(model_config, "attn_logit_softcapping", None):
         raise KernelpackError(
             "recipe_for: this model soft-caps its attention logits, which recipes cannot declare yet",
             hint="write the recipe by hand with a score_mod factory that returns "
@@ -284,14 +294,17 @@ def recipe_for(
             hint="write one recipe per mask (sliding_window_mask with windows, and causal_mask)",
         )
     window = getattr(model_config, "sliding_window", None)
-    if window and getattr(model_config, "use_sliding_window", True) is False:
-        window = None
+    if getattr(model_config, "use_sliding_window", True) is False or layer_types == {"full_attention"}:
+        window = None  # the layers say full attention, whatever sliding_window holds
+    # module.scaling as the families this is tested with set it (Llama, Mistral, Qwen2/3, Gemma/2, Olmo2, Mixtral);
+    # Granite scales by attention_multiplier. Another model may differ: kernelpack verify and report() show a miss
+    multiplier = getattr(model_config, "attention_multiplier", None)
     scalar = getattr(model_config, "query_pre_attn_scalar", None) or head_dim
-    scale = float(scalar) ** -0.5
-    enable_gqa = not (q_heads & (q_heads - 1))  # else transformers repeats k, v to q_heads
+    scale = float(multiplier) if multiplier is not None else float(scalar) ** -0.5
+    enable_gqa = not (q_heads & (q_heads - 1))  # else transformers repeats k, v to q_heads: contiguous copies
     if not enable_gqa:
         kv_heads = q_heads
-    layout = "q=bshd k=bhsd v=bhsd" if use_cache else "bshd"
+    layout = "q=bshd k=bhsd v=bhsd" if use_cache or not enable_gqa else "bshd"
     model_type = str(getattr(model_config, "model_type", "model"))
     lines = [
         f'# {model_type} through attn_implementation="kernelpack" (kernelpack.integrations.transformers.recipe_for)',
@@ -315,6 +328,7 @@ def recipe_for(
         "",
         "[call]",
         f'layout = "{layout}"',
+        *(['mask_dims = "per-batch"'] if batch > 1 else []),  # transformers' BlockMask: B = batch size
         f"scale = {scale!r}",
         f"enable_gqa = {'true' if enable_gqa else 'false'}",
         'score_mod = "kernelpack.integrations.transformers:recipe_score_mod"',
