@@ -166,3 +166,14 @@ def test_no_public_function_shares_its_name_with_a_module() -> None:
     import kernelpack
 
     assert callable(kernelpack.install) and kernelpack.install.__module__ == "kernelpack.runtime"
+
+
+def test_the_runtime_names_its_integrations_and_they_sit_above_it() -> None:
+    """activate() registers integrations by name (runtime.INTEGRATIONS, as fsspec's known_implementations), never by
+    import: the edge runtime -> integration is this table, and each named module exists and imports the runtime."""
+    from kernelpack.runtime import INTEGRATIONS
+
+    for library, module in INTEGRATIONS.items():
+        assert module.startswith("kernelpack.integrations."), (library, module)
+        path = PACKAGE / "integrations" / (module.rsplit(".", 1)[1] + ".py")
+        assert path.exists() and "runtime" in imports_of(path, 2), module
