@@ -26,7 +26,6 @@ Tested with transformers 5.17 (``kernelpack[transformers]``); the attention func
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,12 +58,6 @@ def register(*, takeover: bool = False) -> None:
     for name in names:
         AttentionInterface.register(name, attention)
         AttentionMaskInterface.register(name, block_mask)
-
-
-def registered() -> bool:
-    """Whether ``"kernelpack"`` is registered with transformers in this process (False when it is not imported)."""
-    module = sys.modules.get("transformers.masking_utils")
-    return module is not None and module.AttentionMaskInterface._global_mapping.get(NAME) is block_mask
 
 
 # ------------------------------------------------------------------------------------------------ the call
