@@ -249,7 +249,8 @@ class CompileRecord:
 
     @property
     def missed(self) -> bool:
-        """Compiled something: an FX-graph or AOTAutograd cache miss, or a kernel."""
+        """Compiled something: an FX-graph or AOTAutograd cache miss, code generated past a bypassed (or disabled)
+        FX cache, or a kernel."""
         return bool(
             self.fx_misses or self.aot_misses or self.codegen_seconds or self.triton_compiled or self.cpp_compiled
         )
