@@ -694,6 +694,12 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
                 "recipe's factory): another function object with other code is another Dynamo entry, even when it "
                 "computes the same"
             )
+        elif "SUPPORTED_NODES" in failed:
+            hint = (
+                "a pytree node type was registered after activate(), which invalidates every graph Dynamo traced "
+                "before it (it guards on their count): importing a transformers model module registers its output "
+                "classes. Import your model code (or build the model) before kernelpack.runtime.activate()"
+            )
         elif "GLOBAL_STATE" in failed or "dispatch" in failed.lower():
             hint = (
                 "this call runs under other global torch state than the warm-up (autocast, deterministic "
