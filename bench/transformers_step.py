@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -164,45 +161,11 @@ def main() -> None:
         Path(args.write_recipe).write_text(text)
         print(text)
         return
-    import warm_start  # the same fresh-process protocol
+    import warm_start  # the same fresh-process protocol and table
 
-    modes = args.modes.split(",")
-    work = Path(tempfile.mkdtemp(prefix="kp-transformers-"))
-    samples: dict[str, list[dict]] = {m: [] for m in modes}
-    warm_dir, blob = work / "warm", work / "mega.bin"
-    try:
-        for i in range(args.repeats):  # interleaved, so that drift hits every mode alike
-            for mode in modes:
-                if mode == "cold":
-                    d, b = (warm_dir, blob) if i == 0 else (work / f"cold{i}", work / "x.bin")
-                elif mode == "warm":
-                    d, b = warm_dir, blob
-                else:
-                    d, b = work / f"{mode}{i}", blob
-                samples[mode].append(warm_start.run_child(mode, d, args.artifact, b, args.timeout, script=__file__))
-                if mode in ("mega", "kernelpack"):
-                    shutil.rmtree(d, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    summary = {
-        m: {
-            "median_first_step": statistics.median(s["first_step"] for s in samples[m]),
-            "median_prep": statistics.median(s["prep"] for s in samples[m]),
-            "median_second_step": statistics.median(s["second_step"] for s in samples[m]),
-            "compiles_in_steps": [s["compiles_in_steps"] for s in samples[m]],
-            "misses_in_steps": [s["misses_in_steps"] for s in samples[m]],
-        }
-        for m in modes
-    }
-    Path(args.out).write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
-    print("| mode | first step (median s) | prep (s) | second step (s) | compiles (misses) in the steps, per run |")
-    print("|---|---|---|---|---|")
-    for m in modes:
-        s = summary[m]
-        runs = ", ".join(f"{c} ({x})" for c, x in zip(s["compiles_in_steps"], s["misses_in_steps"], strict=True))
-        print(
-            f"| {m} | {s['median_first_step']:.2f} | {s['median_prep']:.2f} | {s['median_second_step']:.2f} | {runs} |"
-        )
+    warm_start.step_table(
+        warm_start.side_by_side(__file__, args.artifact, args.modes.split(","), args.repeats, args.timeout), args.out
+    )
 
 
 if __name__ == "__main__":

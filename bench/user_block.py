@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -98,59 +95,25 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
     Path(result).write_text(json.dumps(out))
 
 
-def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: float) -> dict:
-    import warm_start  # the same fresh-process protocol
-
-    return warm_start.run_child(mode, cache_dir, artifact, blob, timeout, script=__file__)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # warm_start's protocol: mode, cache, artifact, blob, result
-        mode, cache_dir, artifact, blob, result = sys.argv[2:7]
-        child(mode, cache_dir, artifact, blob, result)
-        return
     ap.add_argument("--artifact", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="user_block.json")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="kp-user-block-"))
-    modes = ("cold", "warm", "mega", "kernelpack")
-    samples: dict[str, list[dict]] = {m: [] for m in modes}
-    warm_dir, blob = work / "warm", work / "mega.bin"
-    try:
-        for i in range(args.repeats):  # interleaved, so that drift hits every mode alike
-            d = warm_dir if i == 0 else work / f"cold{i}"
-            cold_blob = blob if i == 0 else work / "x.bin"
-            samples["cold"].append(run_child("cold", d, args.artifact, cold_blob, args.timeout))
-            samples["warm"].append(run_child("warm", warm_dir, args.artifact, blob, args.timeout))
-            for mode in ("mega", "kernelpack"):
-                d = work / f"{mode}{i}"
-                samples[mode].append(run_child(mode, d, args.artifact, blob, args.timeout))
-                shutil.rmtree(d, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    summary = {
-        m: {
-            "median_first_step": statistics.median(s["first_step"] for s in samples[m]),
-            "median_second_step": statistics.median(s["second_step"] for s in samples[m]),
-            "median_prep": statistics.median(s["prep"] for s in samples[m]),
-            "misses_in_steps": [s["misses_in_steps"] for s in samples[m]],
-            "fx_misses_in_steps": [s["fx_misses_in_steps"] for s in samples[m]],
-        }
-        for m in modes
-    }
-    Path(args.out).write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
-    print("| mode | first step (median s) | prep (s) | second step (s) | misses in the steps (per run) |")
-    print("|---|---|---|---|---|")
-    for m in modes:
-        s = summary[m]
-        print(
-            f"| {m} | {s['median_first_step']:.2f} | {s['median_prep']:.2f} | {s['median_second_step']:.2f} | "
-            f"{s['misses_in_steps']} |"
-        )
+    import warm_start  # the same fresh-process protocol and table
+
+    warm_start.step_table(
+        warm_start.side_by_side(
+            __file__, args.artifact, ["cold", "warm", "mega", "kernelpack"], args.repeats, args.timeout
+        ),
+        args.out,
+    )
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":  # warm_start's protocol: mode, cache, artifact, blob, result
+        child(*sys.argv[2:7])
+    else:
+        main()

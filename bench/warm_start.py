@@ -90,6 +90,58 @@ def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: fl
     return data
 
 
+def side_by_side(script: str, artifact: str, modes: list[str], repeats: int, timeout: float) -> dict[str, list[dict]]:
+    """``repeats`` fresh processes of ``script`` per mode, interleaved so that drift hits every mode alike: cold into
+    an empty dir (the first fills the dir warm reuses and saves the blob mega loads), mega and kernelpack into an
+    empty dir each. Used by bench/user_block.py and bench/transformers_step.py."""
+    order = ["cold", "warm", "mega", "kernelpack"]
+    if not set(modes) <= set(order) or ({"warm", "mega"} & set(modes) and "cold" not in modes):
+        sys.exit(f"modes {modes}: any of {order}; warm and mega need cold (it fills their cache and blob)")
+    modes = sorted(modes, key=order.index)  # cold first in every repeat: warm and mega reuse what it wrote
+    work = Path(tempfile.mkdtemp(prefix="kp-bench-"))
+    samples: dict[str, list[dict]] = {m: [] for m in modes}
+    warm_dir, blob = work / "warm", work / "mega.bin"
+    try:
+        for i in range(repeats):
+            for mode in modes:
+                if mode == "cold":
+                    d, b = (warm_dir, blob) if i == 0 else (work / f"cold{i}", work / "x.bin")
+                elif mode == "warm":
+                    d, b = warm_dir, blob
+                else:
+                    d, b = work / f"{mode}{i}", blob
+                samples[mode].append(run_child(mode, d, artifact, b, timeout, script=script))
+                if mode in ("mega", "kernelpack"):
+                    shutil.rmtree(d, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return samples
+
+
+def step_table(samples: dict[str, list[dict]], out: str) -> None:
+    """Medians of first step, preparation and second step per mode, with every run's compiles (misses) in the
+    steps; written with the samples to ``out`` as JSON and printed as a Markdown table."""
+    summary = {
+        m: {
+            "median_first_step": statistics.median(s["first_step"] for s in runs),
+            "median_prep": statistics.median(s["prep"] for s in runs),
+            "median_second_step": statistics.median(s["second_step"] for s in runs),
+            "compiles_in_steps": [s["compiles_in_steps"] for s in runs],
+            "misses_in_steps": [s["misses_in_steps"] for s in runs],
+            "fx_misses_in_steps": [s["fx_misses_in_steps"] for s in runs],
+        }
+        for m, runs in samples.items()
+    }
+    Path(out).write_text(json.dumps({"summary": summary, "samples": samples}, indent=1))
+    print("| mode | first step (median s) | prep (s) | second step (s) | compiles (misses) in the steps, per run |")
+    print("|---|---|---|---|---|")
+    for m, s in summary.items():
+        runs = ", ".join(f"{c} ({x})" for c, x in zip(s["compiles_in_steps"], s["misses_in_steps"], strict=True))
+        print(
+            f"| {m} | {s['median_first_step']:.2f} | {s['median_prep']:.2f} | {s['median_second_step']:.2f} | {runs} |"
+        )
+
+
 def dir_bytes(d: Path) -> int:
     return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and "locks" not in p.parts)
 
