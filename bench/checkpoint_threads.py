@@ -9,6 +9,13 @@ in a row and writes one JSON with every run and the medians:
   nonreentrant  THREADS threads, the block under ``checkpoint(..., use_reentrant=False)``
   both          one thread, each config under reentrant and then non-reentrant checkpointing
 
+``--block`` picks what each thread trains: ``canonical`` (contiguous q/k/v, kernelpack's masks), ``hf``
+(bench/hf_block.py: projections seen through ``.transpose(1, 2)``, the user's own mask; needs a bshd artifact) or
+``tf`` (a transformers MistralForCausalLM of bench/transformers_step.py per thread,
+``attn_implementation="kernelpack"``, checkpointing through transformers' own
+``gradient_checkpointing_enable(use_reentrant=...)``; needs the artifact of ``transformers_step.py --write-recipe``:
+a step is then one batch per length of the artifact).
+
 A step runs every config of the artifact once (each thread starts at another config), forward + backward, with the
 BlockMask rebuilt every step as the drafters do. The clock starts after ``import torch`` and CUDA init:
 ``activate_s`` is install + warm-up, ``first_step_s`` the first step of all threads (wall), ``second_step_s`` the next.
@@ -46,10 +53,13 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
     from kernelpack.masks import block_mask_for
 
     configs = [c.config for c in read_manifest(artifact).configs if c.config.backward]
+    device = "cuda:0"
+    models: list[Any] = []
+    if block_kind == "tf":  # before activate(): the model's module registers pytree nodes (runtime's hint says why)
+        models = tf_models(configs[0], threads if mode != "both" else 1, device)
     t0 = time.perf_counter()
     activation = runtime.activate(artifact, cache_dir=cache, warmup=mode != "none-nowarm")
     activate_s = time.perf_counter() - t0
-    device = "cuda:0"
 
     def inputs(c: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -67,6 +77,15 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
     modules: dict[tuple[str, str], Any] = {}  # --block hf: each thread its own model, as each drafter has
 
     def step_one(c: Any, reentrant: bool | None) -> None:
+        if block_kind == "tf":  # transformers builds the BlockMask (kernelpack's mask interface) every forward
+            model = models[int(threading.current_thread().name.split("-")[1])]
+            if reentrant is None:
+                model.gradient_checkpointing_disable()
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            ids = torch.randint(0, model.config.vocab_size, (c.batch, c.q_len), device=device)
+            model(ids, labels=ids, use_cache=False).loss.backward()
+            return
         if block_kind == "hf":  # bench/hf_block.py: projections seen through .transpose(1, 2), the user's own mask
             import hf_block
 
@@ -146,6 +165,22 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
     }
 
 
+def tf_models(c: Any, n: int, device: str) -> list[Any]:
+    """n transformers models (one per thread, as each drafter has its own) of the attention the artifact serves."""
+    import torch
+    from transformers import MistralForCausalLM
+    from transformers_step import TINY, config
+
+    from kernelpack.integrations import transformers as hf
+
+    hf.register()  # the name must be known when the model is built; activate() registers it again
+    cfg = config(tiny=c.q_heads == TINY["num_attention_heads"])
+    cfg._attn_implementation = "kernelpack"
+    torch.manual_seed(0)
+    with torch.device(device):
+        return [MistralForCausalLM(cfg).to(getattr(torch, c.dtype)).train() for _ in range(n)]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--artifact", required=True)
@@ -156,9 +191,10 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument(
         "--block",
-        choices=("canonical", "hf"),
+        choices=("canonical", "hf", "tf"),
         default="canonical",
-        help="canonical: contiguous q/k/v and kernelpack's masks; hf: bench/hf_block.py (needs a bshd artifact)",
+        help="canonical: contiguous q/k/v and kernelpack's masks; hf: bench/hf_block.py (needs a bshd artifact); "
+        "tf: a transformers model (needs transformers_step.py's recipe)",
     )
     p.add_argument("--out", help="the JSON to write (required except in --child)")
     p.add_argument("--child", help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
 #   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
-#                       ckpt-collect|user-bg|user-collect|tf|all]
+#                       ckpt-collect|user-bg|user-collect|tf|tf-ckpt-bg|tf-ckpt-collect|all]
 # RECIPE (default recipes/dflash-drafter.toml) is what build builds; user-bg needs recipes/dflash-drafter-bshd.toml.
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
@@ -22,6 +22,14 @@ what=${1:-all}
 python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.git_version, "triton", triton.__version__, torch.cuda.get_device_name(0))' | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv >> "$OUT/env.txt"
 ART_DIR=${ART_DIR:-/tmp/kp-art}
+# collect DIR MARKER LOG...: wait (up to COLLECT_POLLS x 5 s) for a detached run's DIR/MARKER, copy DIR to $OUT, show
+# the end of its logs
+collect() {
+  local dir=$1 marker=$2; shift 2
+  if [[ ! -d $dir ]]; then echo "no background run in $dir on this machine (it went cold)"; exit 3; fi
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f $dir/$marker ]] && break; sleep 5; done
+  cp "$dir"/* "$OUT/" 2>/dev/null; for log in "$@"; do tail -40 "$OUT/$log"; done
+}
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi
@@ -73,11 +81,7 @@ if [[ $what == ckpt-bg ]]; then
     > /tmp/ckpt-out/checkpoint_threads.log 2>&1 < /dev/null &
   echo "checkpoint benchmark started in the background"
 fi
-if [[ $what == ckpt-collect ]]; then
-  if [[ ! -d /tmp/ckpt-out ]]; then echo "no background checkpoint benchmark on this machine (it went cold)"; exit 3; fi
-  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/ckpt-out/checkpoint_threads.json ]] && break; sleep 5; done
-  cp /tmp/ckpt-out/* "$OUT/" 2>/dev/null; cat "$OUT/checkpoint_threads.log"
-fi
+if [[ $what == ckpt-collect ]]; then collect /tmp/ckpt-out checkpoint_threads.json checkpoint_threads.log; fi
 # Issue 13: an HF-style block (bench/hf_block.py) served by a bshd artifact, then the checkpoint proof with that block;
 # detached, one after the other (they share the GPU), collected by user-collect.
 if [[ $what == user-bg ]]; then
@@ -90,18 +94,26 @@ if [[ $what == user-bg ]]; then
     touch /tmp/user-out/done" > /dev/null 2>&1 < /dev/null &
   echo "user-block benchmarks started in the background"
 fi
-if [[ $what == user-collect ]]; then
-  if [[ ! -d /tmp/user-out ]]; then echo "no background user-block benchmark on this machine (it went cold)"; exit 3; fi
-  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/user-out/done ]] && break; sleep 5; done
-  cp /tmp/user-out/* "$OUT/" 2>/dev/null; cat "$OUT/user_block.log" "$OUT/checkpoint_threads_hf.log" 2>/dev/null | tail -40
-fi
+if [[ $what == user-collect ]]; then collect /tmp/user-out done user_block.log checkpoint_threads_hf.log; fi
 # Issue 14: a transformers causal LM through attn_implementation="kernelpack" (bench/transformers_step.py), and the
-# bounded BlockMask builder (bench/mask_builder.py).
-if [[ $what == tf ]]; then
+# bounded BlockMask builder (bench/mask_builder.py); tf-ckpt-bg: the three-thread checkpointing proof with that model
+# (bench/checkpoint_threads.py --block tf), detached, collected by tf-ckpt-collect.
+if [[ $what == tf || $what == tf-ckpt-bg ]]; then
   rm -rf /tmp/kp-tf; mkdir -p /tmp/kp-tf
   python3 bench/transformers_step.py --write-recipe /tmp/kp-tf/mistral.toml --lengths ${TF_LENGTHS:-4096,8192} \
     > "$OUT/transformers-recipe.toml"
   python3 -m kernelpack.cli build /tmp/kp-tf/mistral.toml -o /tmp/kp-tf --jobs 4 2>&1 | tee "$OUT/build-transformers.log"
+fi
+if [[ $what == tf-ckpt-bg ]]; then
+  rm -rf /tmp/tfck-out; mkdir -p /tmp/tfck-out
+  setsid nohup bash -c "python3 bench/checkpoint_threads.py --artifact /tmp/kp-tf/*.kpack --threads 3 --timeout 120 \
+      --block tf --modes ${CKPT_MODES:-reentrant,nonreentrant,none} --runs ${CKPT_RUNS:-5} \
+      --out /tmp/tfck-out/checkpoint_threads_tf.json > /tmp/tfck-out/checkpoint_threads_tf.log 2>&1; \
+    touch /tmp/tfck-out/done" > /dev/null 2>&1 < /dev/null &
+  echo "transformers checkpoint benchmark started in the background"
+fi
+if [[ $what == tf-ckpt-collect ]]; then collect /tmp/tfck-out done checkpoint_threads_tf.log; fi
+if [[ $what == tf ]]; then
   timeout ${TF_TIMEOUT:-420} python3 bench/transformers_step.py --artifact /tmp/kp-tf/*.kpack \
     --repeats ${TF_REPEATS:-2} --out "$OUT/transformers_step.json" 2>&1 | tee "$OUT/transformers_step.log"
   python3 bench/mask_builder.py --device cuda --lengths 4096,16384 > "$OUT/mask_builder.jsonl" 2>&1
@@ -113,8 +125,4 @@ if [[ $what == bench-bg ]]; then
   OUT=/tmp/bench-out setsid nohup bash bench/h200.sh bench > /tmp/bench-out/nohup.log 2>&1 < /dev/null &
   echo "benchmark started in the background"
 fi
-if [[ $what == collect ]]; then
-  if [[ ! -d /tmp/bench-out ]]; then echo "no background benchmark on this machine (it went cold)"; exit 3; fi
-  for _ in $(seq 1 110); do [[ -f /tmp/bench-out/done ]] && break; sleep 5; done
-  cp /tmp/bench-out/* "$OUT/" 2>/dev/null; cat "$OUT/warm_start.log"
-fi
+if [[ $what == collect ]]; then collect /tmp/bench-out done warm_start.log; fi

@@ -731,6 +731,67 @@ def _mistral(config: Any, attn: str) -> Any:
     return MistralForCausalLM(config).eval()
 
 
+def transformers_training(artifact: str, cache: str) -> dict[str, Any]:
+    """A training step (forward + backward) of a transformers model with attn_implementation="kernelpack" after
+    activate(), on the artifact's device: what it compiled; its loss and gradients against transformers' own
+    flex_attention path on the same weights; and the first attention call's output and lse (through return_aux)
+    against transformers' flex_attention_forward on the very same inputs."""
+    from transformers import AttentionInterface, MistralConfig, MistralForCausalLM  # noqa: F401  (before activate)
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    from kernelpack import evidence
+    from kernelpack.integrations import transformers as hf
+
+    c = configs(artifact)[0]
+    device = "cuda:0" if read_manifest(artifact).build_key.device_type == "cuda" else "cpu"
+    dtype = getattr(torch, c.dtype)
+    config = MistralConfig(**TINY_MISTRAL)
+    runtime.activate(artifact, cache_dir=cache)
+    first: list[Any] = []
+
+    def keep_first(module: Any, query: Any, key: Any, value: Any, mask: Any, **kwargs: Any) -> Any:
+        out, lse = hf.attention(module, query, key, value, mask, **kwargs)
+        if not first:  # the inputs exactly as transformers passed them (views, strides), to replay on its own path
+            first.append((module, query.detach(), key.detach(), value.detach(), mask, kwargs, out.detach(), lse))
+        return out, lse
+
+    AttentionInterface.register("kernelpack", keep_first)
+    ids = torch.randint(0, config.vocab_size, (c.batch, c.q_len), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(device)
+
+    def train_step(attn: str) -> tuple[float, dict[str, torch.Tensor]]:
+        model = _mistral(config, attn).to(device, dtype).train()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return float(loss), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+    mark = evidence.next_seq()
+    loss, grads = train_step("kernelpack")
+    compiled = [r.code for r in evidence.compile_records(mark)]
+    rep = runtime.report()
+    runtime.deactivate()  # transformers' own flex path compiles: the reference, not what is measured
+    ref_loss, ref_grads = train_step("flex_attention")
+    module, q, k, v, mask, kwargs, out, lse = first[0]
+    ref_out, ref_lse = flex_attention_forward(module, q, k, v, mask, **kwargs)
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+    return {
+        "compiled_in_step": compiled,
+        "missed": len(rep.misses),
+        "refused": [why for _, why in rep.refused],
+        "paths": sorted({r["path"] for r in rep.to_dict()["compiles"]}),
+        "query_stride": list(q.stride()),
+        "loss": [loss, ref_loss],
+        "grads": sorted(grads) == sorted(ref_grads),
+        "grad_rel": max(rel(grads[n], ref_grads[n]) for n in ref_grads),
+        "out_rel": rel(out, ref_out),
+        "lse": None if lse is None else [str(lse.dtype), list(lse.shape)],
+        "lse_rel": None if lse is None or ref_lse is None else rel(lse, ref_lse),
+    }
+
+
 def transformers_packed(artifact: str, cache: str) -> dict[str, Any]:
     """Packed sequences (position_ids that restart) in a batch of 2 through attn_implementation="kernelpack", no
     artifact (kernelpack compiles at the gate): each row's own documents, as SDPA computes them. transformers' packed

@@ -140,3 +140,34 @@ def test_an_hf_style_training_block_is_served_in_threads_with_checkpointing(tmp_
     assert {"fwd:lse", "fwd+bwd:lse", "fwd+bwd:dq"} <= set(outcome.errors), outcome.errors
     assert all(0 <= e < 3e-2 for e in outcome.errors.values()), outcome.errors
     _checkpoint_runs(built.artifact, ("none", "nonreentrant", "reentrant"), tmp_path, block="hf")
+
+
+def test_a_transformers_model_trains_through_kernelpack_and_in_checkpointed_threads(tmp_path: Path) -> None:
+    """Issue 14 on CUDA: the recipe of a tiny Mistral config (sliding window, GQA 4/2), forward and forward +
+    backward, built; a training step with attn_implementation="kernelpack" in a fresh process compiles nothing,
+    equals transformers' own flex path (loss, every gradient, the attention output and the lse it asks for on CUDA);
+    then 3 threads, each its own model, train with transformers' gradient checkpointing (reentrant and not) and
+    compile nothing."""
+    pytest.importorskip("transformers")
+    from runtime_scenarios import TINY_MISTRAL
+    from test_runtime import scenario
+    from transformers import MistralConfig
+
+    from kernelpack.integrations.transformers import recipe_for
+
+    recipe = tmp_path / "mistral.toml"
+    text = recipe_for(
+        MistralConfig(**TINY_MISTRAL), seq_lens=[256], dtype="bfloat16", device="cuda", graphs=["fwd", "fwd+bwd"]
+    )
+    recipe.write_text(text)
+    built = build(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed, text
+    out = scenario("transformers_training", built.artifact, tmp_path)
+    assert out["compiled_in_step"] == [] and out["missed"] == 0 and out["refused"] == [], out
+    assert out["paths"] == ["kernelpack warm-up"], out  # no mask-builder graph, no compile of the model's own
+    assert out["query_stride"] == [256 * 64, 16, 64, 1], out  # transformers' transposed view reached kernelpack
+    assert out["lse"] == ["torch.bfloat16", [1, 4, 256]] and out["lse_rel"] < 2e-2, out
+    loss, ref_loss = out["loss"]
+    assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss) and out["grads"], out
+    assert out["out_rel"] < 2e-2 and out["grad_rel"] < 5e-2, out
+    _checkpoint_runs(built.artifact, ("none", "reentrant", "nonreentrant"), tmp_path, block="tf")
