@@ -137,6 +137,7 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
 
     frames_before = counters["frames"]["ok"]
     before = evidence.snapshot()
+    mark = evidence.next_seq()
     first, alive = step()
     second, _ = step()
     during = evidence.delta(before, evidence.snapshot())
@@ -160,6 +161,8 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
         "dynamo_frames_compiled": counters["frames"]["ok"] - frames_before,
         "during_steps": {k: v for k, v in during.items() if v},
         "compiled_during_steps": evidence.compiled_anything(during),
+        # torch's own record of each compile during the steps (a re-trace served from the cache shows here too)
+        "compiles_during_steps": [{**evidence.fields_of(r), "note": r.note} for r in evidence.compile_records(mark)],
         "activation": activation.describe(),
         "torch": torch.__version__,
     }

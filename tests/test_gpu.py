@@ -98,10 +98,10 @@ def _checkpoint_runs(artifact: Path, modes: tuple[str, ...], tmp_path: Path, blo
     checked = []
     for mode in modes:
         (r,) = runs[mode]
-        assert "timeout" not in r and "crash" not in r, r
-        assert r["errors"] == [] and r["alive"] == 0 and r["refused"] == [], r
+        assert "timeout" not in r and "crash" not in r, json.dumps(r)
+        assert r["errors"] == [] and r["alive"] == 0 and r["refused"] == [], json.dumps(r)
         # nothing compiled or traced during the steps: every call was the warm-up's graph
-        assert r["compiled_during_steps"] == [] and r["dynamo_frames_compiled"] == 0, r
+        assert r["compiled_during_steps"] == [] and r["dynamo_frames_compiled"] == 0, json.dumps(r)
         checked.append(r)
     return checked
 
