@@ -97,7 +97,8 @@ fi
 if [[ $what == user-collect ]]; then collect /tmp/user-out done user_block.log checkpoint_threads_hf.log; fi
 # Issue 14: a transformers causal LM through attn_implementation="kernelpack" (bench/transformers_step.py), and the
 # bounded BlockMask builder (bench/mask_builder.py); tf-ckpt-bg: the three-thread checkpointing proof with that model
-# (bench/checkpoint_threads.py --block tf), detached, collected by tf-ckpt-collect.
+# (bench/checkpoint_threads.py --block tf), detached, collected by tf-ckpt-collect. TF_REPEATS=3 takes over 9 minutes:
+# more than one device call allows in the foreground.
 if [[ $what == tf || $what == tf-ckpt-bg ]]; then
   rm -rf /tmp/kp-tf; mkdir -p /tmp/kp-tf
   python3 bench/transformers_step.py --write-recipe /tmp/kp-tf/mistral.toml --lengths ${TF_LENGTHS:-4096,8192} \

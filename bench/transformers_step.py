@@ -164,7 +164,8 @@ def main() -> None:
     import warm_start  # the same fresh-process protocol and table
 
     warm_start.step_table(
-        warm_start.side_by_side(__file__, args.artifact, args.modes.split(","), args.repeats, args.timeout), args.out
+        warm_start.side_by_side(__file__, args.artifact, args.modes.split(","), args.repeats, args.timeout, args.out),
+        args.out,
     )
 
 

@@ -106,7 +106,7 @@ def main() -> None:
 
     warm_start.step_table(
         warm_start.side_by_side(
-            __file__, args.artifact, ["cold", "warm", "mega", "kernelpack"], args.repeats, args.timeout
+            __file__, args.artifact, ["cold", "warm", "mega", "kernelpack"], args.repeats, args.timeout, args.out
         ),
         args.out,
     )

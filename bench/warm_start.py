@@ -90,10 +90,13 @@ def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: fl
     return data
 
 
-def side_by_side(script: str, artifact: str, modes: list[str], repeats: int, timeout: float) -> dict[str, list[dict]]:
+def side_by_side(
+    script: str, artifact: str, modes: list[str], repeats: int, timeout: float, out: str
+) -> dict[str, list[dict]]:
     """``repeats`` fresh processes of ``script`` per mode, interleaved so that drift hits every mode alike: cold into
     an empty dir (the first fills the dir warm reuses and saves the blob mega loads), mega and kernelpack into an
-    empty dir each. Used by bench/user_block.py and bench/transformers_step.py."""
+    empty dir each. Used by bench/user_block.py and bench/transformers_step.py. Each sample is printed as it ends
+    and every sample so far is kept in ``out + ".partial"``: a run cut short by a time limit keeps what it measured."""
     order = ["cold", "warm", "mega", "kernelpack"]
     if not set(modes) <= set(order) or ({"warm", "mega"} & set(modes) and "cold" not in modes):
         sys.exit(f"modes {modes}: any of {order}; warm and mega need cold (it fills their cache and blob)")
@@ -111,6 +114,9 @@ def side_by_side(script: str, artifact: str, modes: list[str], repeats: int, tim
                 else:
                     d, b = work / f"{mode}{i}", blob
                 samples[mode].append(run_child(mode, d, artifact, b, timeout, script=script))
+                r = samples[mode][-1]
+                print(f"repeat {i + 1} {mode}: first step {r['first_step']:.2f} s, {r['compiles_in_steps']} compiles")
+                Path(out + ".partial").write_text(json.dumps({"samples": samples}))
                 if mode in ("mega", "kernelpack"):
                     shutil.rmtree(d, ignore_errors=True)
     finally:
