@@ -7,7 +7,9 @@ The names a training script uses, resolved lazily: ``import kernelpack``, ``kern
   (:mod:`kernelpack.runtime` has ``activate()``, the start with it);
 - ``kernelpack.flex_attention``: torch's flex_attention, compiled once for the process and guarded;
 - ``kernelpack.rank_cache_dir()``: a private cache dir per worker on a node;
-- ``kernelpack.masks``: the canonical mask_mods and the BlockMask helper.
+- ``kernelpack.masks``: the canonical mask_mods and the BlockMask helper;
+- ``kernelpack.recording(path)``: record the flex_attention calls made in a block into a recipe
+  (:mod:`kernelpack.record`; ``kernelpack record -- CMD`` for a whole job).
 """
 
 from __future__ import annotations
@@ -17,13 +19,23 @@ from typing import Any
 
 from ._version import __version__
 
-__all__ = ["__version__", "flex_attention", "install", "install_from", "masks", "rank_cache_dir", "runtime"]
+__all__ = [
+    "__version__",
+    "flex_attention",
+    "install",
+    "install_from",
+    "masks",
+    "rank_cache_dir",
+    "recording",
+    "runtime",
+]
 
 _FROM = {
     "flex_attention": "runtime",
     "install": "runtime",
     "install_from": "runtime",
     "rank_cache_dir": "installer",
+    "recording": "record",
 }
 
 

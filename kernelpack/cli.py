@@ -347,6 +347,52 @@ def lock_cmd(registry: str, recipe: str, out: str, storage_options: tuple[str, .
     click.echo(f"wrote {out}: {len(data['artifacts'])} pinned build(s) of {recipe}")
 
 
+def _factory_pairs(pairs: tuple[str, ...], option: str) -> dict[str, str]:
+    table = {}
+    for pair in pairs:
+        qualname, sep, factory = pair.partition("=")
+        if not sep or not qualname or ":" not in factory:
+            raise click.BadParameter(f"{pair!r} is not QUALNAME=pkg.module:factory", param_hint=option)
+        table[qualname] = factory
+    return table
+
+
+@commands.command(name="record", context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--out", required=True, help="The recipe to write (TOML).")
+@click.option("--name", default=None, help="The recipe's name (default: the file's stem).")
+@click.option(
+    "--compute",
+    type=click.Choice(["skip", "compile"]),
+    default="skip",
+    show_default=True,
+    help="skip: kernelpack's calls return zeros and compile nothing; compile: the real calls.",
+)
+@click.option("--mask-factory", multiple=True, metavar="QUALNAME=MOD:FACTORY", help="Name a mask by its factory.")
+@click.option("--score-factory", multiple=True, metavar="QUALNAME=MOD:FACTORY", help="Name a score_mod by its factory.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def record_cmd(
+    out: str,
+    name: str | None,
+    compute: str,
+    mask_factory: tuple[str, ...],
+    score_factory: tuple[str, ...],
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND (after --) and write the recipe of every flex_attention call it made."""
+    from .record import Factories, record_command
+
+    factories = Factories(
+        _factory_pairs(mask_factory, "--mask-factory"), _factory_pairs(score_factory, "--score-factory")
+    )
+    result = record_command(command, out, compute=compute, name=name, factories=factories)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
+    click.echo(
+        f"wrote {result.recipe}: {result.calls} call(s) from {result.processes} process(es) in {result.seconds:.1f} s; "
+        f"build it with: kernelpack build {result.recipe}"
+    )
+
+
 def _show_warning(
     message: Warning | str,
     category: type[Warning],

@@ -522,6 +522,9 @@ def _user_site() -> str | None:
     return None
 
 
+user_site = _user_site  # for kernelpack record: where a call was made
+
+
 def fields_of(record: CompileRecord | DenseRecord) -> dict[str, Any]:
     """A record as JSON-able fields (its tag and note left to the caller)."""
     return {f.name: getattr(record, f.name) for f in dataclasses.fields(record) if f.name not in ("tag", "note")}

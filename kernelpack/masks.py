@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import settings
+from . import closures, settings
 from .compiled import outside_first_calls
 from .errors import KernelpackError
 from .signature import DEFAULT_BLOCK_SIZE
@@ -64,14 +64,21 @@ def score_mod_for(config: Config) -> Callable[..., Any] | None:
         return None
     if config.score_mod == "identity":
         return identity_score
+    ref = config.reference("score")
+    if ref is not None:  # recorded: the job's own function, made again (kernelpack.closures)
+        return closures.rebuild(ref)
     return _from_factory(config.score_mod, config, "score_mod", "score_mod(score, b, h, q_idx, kv_idx) -> tensor")
 
 
 def mask_for(config: Config) -> MaskMod:
-    """The mask_mod a config was built with: a built-in, or ``factory(config)`` for ``mask = "pkg.mod:factory"``."""
+    """The mask_mod a config was built with: a built-in, the function a recorded reference names, or
+    ``factory(config)`` for ``mask = "pkg.mod:factory"``."""
     if config.mask in BUILTIN:
         assert config.window is not None
         return BUILTIN[config.mask](config.window)
+    ref = config.reference("mask")
+    if ref is not None:  # recorded: the job's own function, made again (kernelpack.closures)
+        return closures.rebuild(ref)
     return _from_factory(config.mask, config, "mask", "mask_mod(b, h, q_idx, kv_idx) -> bool tensor")
 
 

@@ -35,6 +35,22 @@ Example (``recipes/smoke-cpu.toml``)::
     alias = "none"                    # or "k=v", "q=k=v", ...: one tensor object passed for several of q, k, v
 
     [kernel_options]                  # passed verbatim to flex_attention
+
+Besides (or instead of) the product ``[matrix]``, a recipe may list calls one by one (what ``kernelpack record``
+writes), each one config with every key of ``[matrix]`` (one value each), ``[call]`` and ``[compile]``::
+
+    [[calls]]
+    mask = { function = "my_model.masks:window_mask.<locals>.mask", closure = { window = 1024 } }
+    q_heads = 32
+    kv_heads = 8
+    seq_len = 4096
+    head_dim = 128
+    dtype = "bfloat16"
+    graphs = ["fwd", "fwd+bwd"]
+    layout = "bshd"
+
+A mask (or score_mod) given as ``{ function = "module:qualname", closure = {...} }`` is that very function, made
+again by :mod:`kernelpack.closures` with those closure values; a string is a built-in mask or a factory as above.
 """
 
 from __future__ import annotations
@@ -46,8 +62,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from . import closures
 from .errors import ConfigError, RecipeError
 from .signature import (
     ALIASES,
@@ -72,7 +89,18 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 BUILTIN_MASKS = ("sliding_window", "sliding_window_bidirectional")
 
-_TOP_KEYS = ("name", "description", "device", "mask", "windows", "matrix", "compile", "call", "kernel_options")
+_TOP_KEYS = (
+    "name",
+    "description",
+    "device",
+    "mask",
+    "windows",
+    "matrix",
+    "compile",
+    "call",
+    "kernel_options",
+    "calls",
+)
 _MATRIX_KEYS = (
     "batch",
     "q_heads",
@@ -97,6 +125,24 @@ _CALL_KEYS = (
     "mask_dims",
     "alias",
 )
+# the keys of one [[calls]] table: one config, each value a scalar
+_CALLS_KEYS = (
+    "mask",
+    "window",
+    "batch",
+    "q_heads",
+    "kv_heads",
+    "seq_len",
+    "q_len",
+    "kv_len",
+    "head_dim",
+    "dtype",
+    "graphs",
+    "kernel_options",
+    *_COMPILE_KEYS,
+    *_CALL_KEYS,
+)
+_REF_KEYS = ("function", "closure", "defaults", "kwdefaults")
 SCORE_MODS = ("none", "identity")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
@@ -123,8 +169,16 @@ _RECIPE_KEY = {
     "return_aux": "call.return_aux",
     "mask_dims": "call.mask_dims",
     "alias": "call.alias",
+    "mask_closure": "mask",
+    "score_closure": "call.score_mod",
 }
-_ID_IF_SET = {"return_aux": "none", "mask_dims": "broadcast", "alias": "none"}
+_ID_IF_SET = {
+    "return_aux": "none",
+    "mask_dims": "broadcast",
+    "alias": "none",
+    "mask_closure": None,
+    "score_closure": None,
+}
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
 
@@ -138,6 +192,10 @@ class Config(CallParams):
     # The graphs built for this point, in GRAPHS order. Reentrant gradient checkpointing needs both: its forward runs
     # under no_grad (the "fwd" graph) and its recompute in backward with grad (the "fwd+bwd" graph).
     graphs: tuple[Graph, ...] = ("fwd",)
+    # Set: ``mask`` (``score_mod``) names a function by "module:qualname", made again with these closure values
+    # (kernelpack.closures, canonical JSON); None: ``mask`` is a built-in or a factory.
+    mask_closure: str | None = None
+    score_closure: str | None = None
 
     def __post_init__(self) -> None:
         CallParams.__post_init__(self)  # not super(): zero-argument super() breaks in slots dataclasses
@@ -154,7 +212,15 @@ class Config(CallParams):
         their mask_mod (``sliding_window(1024)``)."""
         if self.mask in BUILTIN_MASKS:
             return f"{self.mask}({self.window})"
+        if self.mask_closure is not None:
+            return closures.label({"function": self.mask, **json.loads(self.mask_closure)})
         return self.mask if self.window is None else f"{self.mask}(window={self.window})"
+
+    def reference(self, kind: Literal["mask", "score"]) -> dict[str, Any] | None:
+        """The function reference (:mod:`kernelpack.closures`) of the mask or score_mod, or None when it is a
+        built-in or a factory."""
+        name, closure = (self.mask, self.mask_closure) if kind == "mask" else (self.score_mod, self.score_closure)
+        return None if closure is None else {"function": name, **json.loads(closure)}
 
     def signature(
         self, device_index: int | None, graph: Graph, mask_key: str | None = None, score_key: str | None = None
@@ -230,7 +296,9 @@ def _validate(c: Config) -> None:
     """Every rule a buildable config obeys. Raises :class:`ConfigError` naming the field."""
     if c.device not in DEVICES:
         raise ConfigError("device", "unknown value", value=c.device, allowed=DEVICES)
-    if not isinstance(c.mask, str) or not (c.mask in BUILTIN_MASKS or _is_import_path(c.mask)):
+    if c.mask_closure is not None:
+        _check_reference(c, "mask", c.mask, c.mask_closure)
+    elif not isinstance(c.mask, str) or not (c.mask in BUILTIN_MASKS or _is_import_path(c.mask)):
         raise ConfigError("mask", "unknown mask", value=c.mask, allowed=(*BUILTIN_MASKS, "'pkg.module:factory'"))
     if c.window is None:
         if c.mask in BUILTIN_MASKS:
@@ -294,7 +362,9 @@ def _validate(c: Config) -> None:
         raise ConfigError("alias", f"one tensor has one layout, but layout is {c.layout!r}", value=c.alias)
     if "q=" in c.alias and (c.q_heads, c.q_len) != (c.kv_heads, c.kv_len):
         raise ConfigError("alias", "q can be k or v only when q_heads == kv_heads and q_len == kv_len", value=c.alias)
-    if not isinstance(c.score_mod, str) or not (c.score_mod in SCORE_MODS or _is_import_path(c.score_mod)):
+    if c.score_closure is not None:
+        _check_reference(c, "score_mod", c.score_mod, c.score_closure)
+    elif not isinstance(c.score_mod, str) or not (c.score_mod in SCORE_MODS or _is_import_path(c.score_mod)):
         raise ConfigError(
             "score_mod", "unknown score_mod", value=c.score_mod, allowed=(*SCORE_MODS, "'pkg.module:factory'")
         )
@@ -303,6 +373,21 @@ def _validate(c: Config) -> None:
     for k, v in c.kernel_options:
         if not isinstance(v, (bool, int, float, str)):
             raise ConfigError(f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
+
+
+def _check_reference(c: Config, field_name: str, name: object, closure: object) -> None:
+    """A function reference's parts: "module:qualname" (nested functions as qualname's ``<locals>``) and a JSON
+    object of closure values."""
+    if not isinstance(name, str) or not _is_import_path(name, nested=True):
+        raise ConfigError(field_name, "a function reference names 'pkg.module:qualname'", value=name)
+    try:
+        parsed = json.loads(closure) if isinstance(closure, str) else None
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or set(parsed) - set(_REF_KEYS[1:]):
+        raise ConfigError(field_name, "closure values must be a JSON object", value=closure)
+    if field_name == "mask" and c.window is not None:
+        raise ConfigError("window", "a mask given as a function reference carries its values in its closure")
 
 
 def _positive_int(v: object) -> bool:
@@ -360,6 +445,33 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         raise RecipeError(path, "name", problem, value=name)
     description = _str(path, "description", data.get("description", ""))
     device = _str(path, "device", data.get("device"), required=True)
+    normalized: dict[str, Any] = {"name": name, "description": description, "device": device}
+    configs: list[Config] = []
+    if "matrix" in data or "calls" not in data:
+        matrix_configs, matrix_normalized = _matrix(path, data, device)
+        configs += matrix_configs
+        normalized.update(matrix_normalized)
+    else:
+        for key in ("mask", "windows", "compile", "call", "kernel_options"):
+            if key in data:
+                raise RecipeError(
+                    path, key, "applies to [matrix], which this recipe does not have: give it in each [[calls]] table"
+                )
+    if "calls" in data:
+        calls = _calls(path, data["calls"], device)
+        seen = {c.id: i for i, c in enumerate(configs)}
+        for i, c in enumerate(calls):
+            if c.id in seen:
+                raise RecipeError(path, f"calls[{i}]", f"repeats config {c.id} ({c.describe()})")
+            seen[c.id] = i
+        configs += calls
+        # order-independent: the same calls listed in another order are the same recipe
+        normalized["calls"] = [c.to_dict() for c in sorted(calls, key=lambda c: c.id)]
+    return Recipe(name=name, device=device, configs=tuple(configs), normalized=normalized)
+
+
+def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config], dict[str, Any]]:
+    """The product of a recipe's ``[matrix]`` axes with its mask, windows and ``[call]``/``[compile]`` options."""
     mask = _str(path, "mask", data.get("mask"), required=True)
     if "windows" in data:
         windows: list[int | None] = list(_int_axis(path, "windows", data["windows"]))
@@ -397,24 +509,10 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
     call = _table(path, "call", data.get("call", {}))
     _no_unknown(path, "call.", call, _CALL_KEYS)
     layouts = _list(path, "call.layout", call.get("layout", "bhsd"))
-    block_size = call.get("block_size", list(DEFAULT_BLOCK_SIZE))
-    block = tuple(block_size) if isinstance(block_size, list) else (block_size, block_size)
-    call_params = {
-        "scale": float(call["scale"])
-        if isinstance(call.get("scale"), int) and not isinstance(call["scale"], bool)
-        else call.get("scale"),
-        "return_lse": call.get("return_lse", False),
-        "block_size": block,
-        "score_mod": call.get("score_mod", "none"),
-        "return_aux": call.get("return_aux", "none"),
-        "mask_dims": call.get("mask_dims", "broadcast"),
-        "alias": call.get("alias", "none"),
-    }
-    if "enable_gqa" in call:
-        call_params["enable_gqa"] = call["enable_gqa"]
-
+    call_params = _call_params(call)
+    score_mod, score_closure = _function_or_name(path, "call.score_mod", call_params.pop("score_mod"))
     try:
-        configs = tuple(
+        configs = [
             Config(
                 device=device,  # type: ignore[arg-type]
                 mask=mask,
@@ -431,12 +529,14 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
                 mode=mode,
                 dynamic=dynamic,
                 layout=layout,
+                score_mod=score_mod,
+                score_closure=score_closure,
                 **call_params,
             )
             for dt, (ql, kl), w, b, qh, kh, hd, layout in itertools.product(
                 dtypes, lens, windows, batch, q_heads, kv_heads, head_dim, layouts
             )
-        )
+        ]
     except ConfigError as e:
         head, _, rest = e.field.partition(".")
         key = _RECIPE_KEY.get(head, head) + (f".{rest}" if rest else "")
@@ -448,10 +548,8 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
     ids = [c.id for c in configs]
     if len(set(ids)) != len(ids):
         raise RecipeError(path, "matrix", "an axis lists the same value twice")
+    call_params["score_mod"] = call.get("score_mod", "none")
     normalized = {
-        "name": name,
-        "description": description,
-        "device": device,
         "mask": mask,
         "windows": windows,
         "matrix": {
@@ -474,7 +572,99 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
         },
         "kernel_options": dict(sorted(kernel_options.items())),
     }
-    return Recipe(name=name, device=device, configs=configs, normalized=normalized)
+    return configs, normalized
+
+
+def _call_params(call: dict[str, Any]) -> dict[str, Any]:
+    """The ``[call]`` keys (or a ``[[calls]]`` table's) as Config fields, with their defaults."""
+    block_size = call.get("block_size", list(DEFAULT_BLOCK_SIZE))
+    scale = call.get("scale")
+    params = {
+        "scale": float(scale) if isinstance(scale, int) and not isinstance(scale, bool) else scale,
+        "return_lse": call.get("return_lse", False),
+        "block_size": tuple(block_size) if isinstance(block_size, list) else (block_size, block_size),
+        "score_mod": call.get("score_mod", "none"),
+        "return_aux": call.get("return_aux", "none"),
+        "mask_dims": call.get("mask_dims", "broadcast"),
+        "alias": call.get("alias", "none"),
+    }
+    if "enable_gqa" in call:
+        params["enable_gqa"] = call["enable_gqa"]
+    return params
+
+
+def _function_or_name(path: str, key: str, value: object) -> tuple[Any, str | None]:
+    """A mask or score_mod: a name (built-in, factory) as it is, or ``{ function = "module:qualname", closure =
+    {...} }`` as (the function's name, its canonical closure JSON)."""
+    if not isinstance(value, dict):
+        return value, None
+    unknown = sorted(set(value) - set(_REF_KEYS))
+    if unknown:
+        raise RecipeError(path, f"{key}.{unknown[0]}", "unknown key", allowed=_REF_KEYS)
+    function = _str(path, f"{key}.function", value.get("function"), required=True)
+    for part in ("closure", "kwdefaults"):
+        _table(path, f"{key}.{part}", value.get(part, {}))
+    if "defaults" in value and not isinstance(value["defaults"], list):
+        raise RecipeError(path, f"{key}.defaults", "must be a list", value=value["defaults"])
+    return function, closures.closure_json(value)
+
+
+def _calls(path: str, items: object, device: str) -> list[Config]:
+    """``[[calls]]``: one config per table, each value a scalar (``graphs`` and ``block_size`` lists)."""
+    if not isinstance(items, list) or not items or not all(isinstance(t, dict) for t in items):
+        raise RecipeError(path, "calls", "must be a non-empty array of tables ([[calls]])", value=items)
+    configs = []
+    for i, t in enumerate(items):
+        where = f"calls[{i}]"
+        _no_unknown(path, f"{where}.", t, _CALLS_KEYS)
+        mask, mask_closure = _function_or_name(path, f"{where}.mask", _required(path, f"{where}.mask", t.get("mask")))
+        params = _call_params(t)
+        score_mod, score_closure = _function_or_name(path, f"{where}.score_mod", params.pop("score_mod"))
+        if "seq_len" in t:
+            if "q_len" in t or "kv_len" in t:
+                raise RecipeError(path, f"{where}.seq_len", "give either seq_len or q_len and kv_len, not both")
+            q_len = kv_len = t["seq_len"]
+        else:
+            q_len = _required(path, f"{where}.q_len", t.get("q_len"))
+            kv_len = _required(path, f"{where}.kv_len", t.get("kv_len"))
+        q_heads = _required(path, f"{where}.q_heads", t.get("q_heads"))
+        graphs = t.get("graphs", ["fwd"])
+        options = _table(path, f"{where}.kernel_options", t.get("kernel_options", {}))
+        try:
+            if not isinstance(graphs, list):
+                raise ConfigError("graphs", "must be a list", value=graphs, allowed=GRAPHS)
+            configs.append(
+                Config(
+                    device=device,  # type: ignore[arg-type]
+                    mask=mask,
+                    mask_closure=mask_closure,
+                    window=t.get("window"),
+                    batch=t.get("batch", 1),
+                    q_heads=q_heads,  # type: ignore[arg-type]
+                    kv_heads=t.get("kv_heads", q_heads),
+                    q_len=q_len,  # type: ignore[arg-type]
+                    kv_len=kv_len,  # type: ignore[arg-type]
+                    head_dim=_required(path, f"{where}.head_dim", t.get("head_dim")),  # type: ignore[arg-type]
+                    dtype=_required(path, f"{where}.dtype", t.get("dtype")),  # type: ignore[arg-type]
+                    graphs=tuple(graphs),
+                    kernel_options=tuple(sorted(options.items())),
+                    mode=t.get("mode", "default"),
+                    dynamic=t.get("dynamic", False),
+                    layout=t.get("layout", "bhsd"),
+                    score_mod=score_mod,
+                    score_closure=score_closure,
+                    **params,
+                )
+            )
+        except ConfigError as e:
+            head, _, rest = e.field.partition(".")
+            key = {"mask_closure": "mask", "score_closure": "score_mod"}.get(head, head)
+            if head in ("q_len", "kv_len") and "seq_len" in t:
+                key = "seq_len"
+            raise RecipeError(
+                path, f"{where}.{key}" + (f".{rest}" if rest else ""), e.reason, value=e.value, allowed=e.allowed
+            ) from None
+    return configs
 
 
 def _graphs(path: str, matrix: dict[str, Any]) -> tuple[Graph, ...]:
@@ -496,9 +686,11 @@ def _graphs(path: str, matrix: dict[str, Any]) -> tuple[Graph, ...]:
     return tuple(sorted(items, key=GRAPHS.index))  # type: ignore[arg-type]
 
 
-def _is_import_path(s: str) -> bool:
+def _is_import_path(s: str, *, nested: bool = False) -> bool:
+    """ "pkg.module:attr" (``nested``: a qualname, with ``<locals>`` and ``<lambda>`` parts)."""
     module, sep, attr = s.partition(":")
-    return bool(sep and module and attr) and all(p.isidentifier() for p in (*module.split("."), *attr.split(".")))
+    names = [p for p in attr.split(".") if not (nested and p in ("<locals>", "<lambda>"))]
+    return bool(sep and module and attr) and all(p.isidentifier() for p in (*module.split("."), *names))
 
 
 def _no_unknown(path: str, prefix: str, table: dict[str, Any], allowed: tuple[str, ...]) -> None:

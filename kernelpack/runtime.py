@@ -22,6 +22,10 @@ The guard (:func:`activate`, then every :func:`flex_attention` call) makes a fir
   :meth:`Manifest.covers`) instead of cold-compiling.
 - The dense math path is refused (:class:`DenseFallbackError`), detected where torch runs it (:mod:`evidence`).
 - :func:`report` says what each first call cost and whether it compiled anything.
+
+Observers (:func:`observe_calls`, what ``kernelpack record`` uses) see every flex_attention call of the three paths:
+kernelpack's entry (and the transformers integration through it) as it is made, the user's own
+``torch.compile(flex_attention)`` as Dynamo compiles it.
 """
 
 from __future__ import annotations
@@ -322,9 +326,17 @@ def activate(
     calls trace at the gate during the job, as before; only safe where no other thread runs backward meanwhile (no
     threads, or no gradient checkpointing), and non-strict mode then compiles uncovered calls with a warning.
     """
-    evidence.install_hooks(refuse_dense=True)
     if warmup not in (True, False, "background"):
         raise KernelpackError(f"activate(warmup={warmup!r})", hint='warmup is True, False or "background"')
+    if settings.record_dir() is not None:
+        # `kernelpack record` runs this job to see its calls: nothing to install or refuse, and no call may be
+        # refused for not being covered (that is what is being recorded)
+        global _state
+        _state = _State(active=Activation(artifact=None, strict=False), since=evidence.next_seq())
+        _register_integrations()
+        log.warning("kernelpack record: activate() installs nothing and refuses nothing while the job is recorded")
+        return _state.active  # type: ignore[return-value]
+    evidence.install_hooks(refuse_dense=True)
     if source is None and registry is None:
         source = settings.default_artifact()
     if source is None and registry is None:
@@ -347,7 +359,6 @@ def activate(
         _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
         warm = Warmup(background=warmup == "background") if warmup else None
         activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
-    global _state
     # only now: a failed activate() leaves the previous one in force
     _state = state = _State(active=activation, since=evidence.next_seq())
     evidence.watch_compiles(_observed, _refuse_foreign_compile)
@@ -533,6 +544,10 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
         return fn(**arguments)
+    if _observers:  # the call as the user made it (before the forward-only detach below)
+        stand_in = _notify("kernelpack.flex_attention", arguments, mode, dynamic)
+        if stand_in is not None:
+            return stand_in(arguments)
     qkv = (query, arguments["key"], arguments["value"])
     if (
         graph_of(*qkv) == "fwd"
@@ -553,6 +568,40 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     if active is not None and active.warmup is not None:
         return _serve(state, active, active.warmup, fn, mode, dynamic, arguments)
     return _first_call_at_the_gate(state, active, fn, mode, dynamic, arguments)
+
+
+# ------------------------------------------------------------------------------------------------ observers
+
+# Called with (path, arguments, mode, dynamic) for every flex_attention call (arguments None for an eager call, which
+# torch does not hand over); may return a function that makes the call's outputs instead (record's stand-in).
+CallObserver = Callable[[str, "Mapping[str, Any] | None", str, bool], "Callable[[Mapping[str, Any]], Any] | None"]
+_observers: list[CallObserver] = []
+_observers_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def observe_calls(observer: CallObserver) -> Any:
+    """Call ``observer`` for every flex_attention call inside the block, in the calling thread: calls through
+    :data:`flex_attention` (and :func:`guarded`) as they are made, calls of the user's own
+    ``torch.compile(flex_attention)`` as Dynamo compiles them (with the defaults for their compile options, which
+    are not in the frame), eager calls as ``"flex_attention (eager)"`` with no arguments. Works with or without
+    :func:`activate`."""
+    evidence.install_hooks()
+    evidence.watch_compiles(_observed, _refuse_foreign_compile)
+    with _observers_lock:
+        _observers.append(observer)
+    try:
+        yield observer
+    finally:
+        with _observers_lock:
+            _observers.remove(observer)
+
+
+def _notify(path: str, arguments: Mapping[str, Any] | None, mode: str, dynamic: bool) -> Any:
+    stand_in = None
+    for observer in list(_observers):
+        stand_in = observer(path, arguments, mode, dynamic) or stand_in
+    return stand_in
 
 
 def _closes_over_no_tensor(score_mod: Callable[..., Any] | None) -> bool:
@@ -879,7 +928,13 @@ def _signature_or_none(frame: Mapping[str, Any]) -> CallSignature | None:
 
 def _observed(record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -> None:
     """Every compile torch makes after activate() (evidence's callback, in the compiling thread): attributed to
-    its code path and call; one that compiled something outside kernelpack's own entry warns, once per call site."""
+    its code path and call; one that compiled something outside kernelpack's own entry warns, once per call site.
+    Observers see the user's own torch.compile(flex_attention) calls here, with or without activate()."""
+    if _observers and record.forward and not isinstance(record.tag, _Call):
+        if _is_flex_call(frame):
+            _notify("torch.compile(flex_attention)", frame, "default", False)
+        elif "flex_attention.py" in record.code:
+            _notify("flex_attention (eager)", None, "default", False)
     state = _state
     if state.active is None or record.seq < state.since:
         return

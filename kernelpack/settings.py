@@ -64,6 +64,35 @@ def _flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
+def record_dir() -> Path | None:
+    """KERNELPACK_RECORD_DIR: set by ``kernelpack record`` for the job it runs (each process writes the calls it
+    makes there); None when the job is not being recorded."""
+    value = _get("KERNELPACK_RECORD_DIR")
+    return Path(value) if value else None
+
+
+def record_compute() -> str:
+    """KERNELPACK_RECORD_COMPUTE: how a recorded job's flex_attention calls run (``kernelpack record --compute``)."""
+    return _get("KERNELPACK_RECORD_COMPUTE") or "skip"
+
+
+def record_factories() -> dict[str, dict[str, str]]:
+    """KERNELPACK_RECORD_FACTORIES: the factories ``kernelpack record --mask-factory/--score-factory`` names, as
+    JSON ``{"mask": {qualname: "pkg.mod:factory"}, "score": {...}}``."""
+    import json
+
+    value = _get("KERNELPACK_RECORD_FACTORIES")
+    try:
+        parsed = json.loads(value) if value else {}
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or set(parsed) - {"mask", "score"}:
+        raise SettingError(
+            "KERNELPACK_RECORD_FACTORIES", value or "", "a JSON object of 'mask' and 'score' tables (set by record)"
+        )
+    return parsed
+
+
 def default_artifact() -> str | None:
     """``KERNELPACK_ARTIFACT``: the artifact ``activate()`` installs when given none."""
     return _get("KERNELPACK_ARTIFACT")

@@ -23,6 +23,7 @@ LAYERS = {
     "_worker": 0,
     # format: what a call, a recipe, an artifact and the evidence are
     "signature": 1,
+    "closures": 1,
     "recipe": 1,
     "artifact": 1,
     "evidence": 1,
@@ -36,6 +37,7 @@ LAYERS = {
     "runtime": 3,
     # clients of the runtime: integrations with libraries (runtime names them in INTEGRATIONS, never imports them)
     "integrations": 4,
+    "record": 4,
     # tools
     "workload": 5,
     "build": 5,

@@ -1,0 +1,541 @@
+"""``kernelpack record`` and ``kernelpack.recording``: the recipe of the calls a job really makes.
+
+A :class:`Recorder` observes every flex_attention call (:func:`kernelpack.runtime.observe_calls`): through
+``kernelpack.flex_attention`` and the transformers integration as they are made, through the user's own
+``torch.compile(flex_attention)`` as Dynamo compiles them. It keeps one entry per distinct call, with the graphs it
+needs (``fwd`` under no_grad or with no input requiring grad, ``fwd+bwd`` when autograd records it: reentrant
+checkpointing needs both), its compile options and the device indices it ran on, and names the mask and score_mod
+so that the builder can make them again: kernelpack's built-in masks by name, any other function by
+``module:qualname`` and its closure values (:mod:`kernelpack.closures`), or by a factory the user names. What cannot
+be named so (a mask over a tensor, a function of the script itself) is a problem: the recipe is not written, and the
+error says what to write instead, with a template.
+
+Record needs the calls, not the kernels: with ``compute="skip"`` (the default) a call through kernelpack's entry
+returns zeros of the right shapes and dtypes (gradients too) instead of compiling or running attention, so a
+recorded step compiles nothing and allocates no score matrix. The job's numbers are then meaningless (record one or
+two steps); a job whose control flow depends on attention's values records with ``compute="compile"``, which makes
+the real calls (compiling them, as torch would). The user's own ``torch.compile(flex_attention)`` always compiles:
+Dynamo hands over its call only as it compiles it.
+
+:func:`recording` records in-process and writes the recipe when the block ends. ``kernelpack record -- CMD`` runs a
+command with :func:`start_from_env` hooked into every Python process it starts (``sitecustomize``), each process
+appending its calls to a file of ``KERNELPACK_RECORD_DIR``; :func:`recipe_text` merges them into one recipe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import closures, evidence, runtime, settings
+from ._fs import write_bytes
+from .errors import ConfigError, KernelpackError, RecipeError
+from .recipe import Config, check_name, parse_recipe
+from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+COMPUTE = ("skip", "compile")
+
+
+class RecordError(KernelpackError):
+    """Recording found calls it cannot write as a recipe, or none at all."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Factories:
+    """Factories the user names for functions record cannot name by reference (``--mask-factory``): qualname (or
+    module:qualname) -> "pkg.module:factory"."""
+
+    mask: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    score: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def lookup(self, fn: Any, kind: str) -> str | None:
+        table = self.mask if kind == "mask" else self.score
+        qualname = getattr(fn, "__qualname__", None)
+        return table.get(f"{getattr(fn, '__module__', '')}:{qualname}") or table.get(str(qualname))
+
+
+class Recorder:
+    """A call observer (:data:`kernelpack.runtime.CallObserver`) that keeps the distinct calls it sees as events
+    (JSON-able dicts): ``{"call": ...}``, ``{"problem": ...}``, ``{"note": ...}``. With ``sink``, each event is also
+    appended to that file as a JSON line as it happens (a job killed later keeps what it recorded)."""
+
+    def __init__(self, compute: str = "skip", *, sink: Path | None = None, factories: Factories | None = None) -> None:
+        if compute not in COMPUTE:
+            raise KernelpackError(f"record: compute={compute!r}", hint=f"one of {', '.join(COMPUTE)}")
+        self.compute = compute
+        self.sink = sink
+        self.factories = factories or Factories()
+        self.events: list[dict[str, Any]] = []
+        self._seen: set[CallSignature] = set()
+        self._notes: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, path: str, arguments: Mapping[str, Any] | None, mode: str, dynamic: bool) -> Any:
+        stand_in = _stand_in if self.compute == "skip" and path == "kernelpack.flex_attention" else None
+        if arguments is None:
+            self._note(
+                f"an eager flex_attention call at {evidence.user_site() or 'an unknown site'} ran the dense math "
+                "path: no artifact can serve it; call kernelpack.flex_attention (or torch.compile it)"
+            )
+            return None
+        try:
+            sig = signature_of(arguments, mode, dynamic)
+        except Exception as e:  # a call record cannot read: say so, never break the job
+            self._note(f"a flex_attention call kernelpack could not read ({type(e).__name__}: {e})")
+            return stand_in
+        with self._lock:
+            if sig in self._seen:
+                return stand_in
+            self._seen.add(sig)
+        self._add(_event(sig, arguments, path, evidence.user_site(), self.factories))
+        return stand_in
+
+    def _note(self, text: str) -> None:
+        with self._lock:
+            if text in self._notes:
+                return
+            self._notes.add(text)
+        self._add({"note": text})
+
+    def _add(self, event: dict[str, Any]) -> None:
+        with self._lock:
+            self.events.append(event)
+            if self.sink is not None:
+                with open(self.sink, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(event) + "\n")
+
+
+@contextlib.contextmanager
+def recording(
+    path: str | os.PathLike[str],
+    *,
+    compute: str = "skip",
+    name: str | None = None,
+    factories: Factories | None = None,
+) -> Iterator[Recorder]:
+    """Record every flex_attention call made inside the block (any thread) and write their recipe to ``path`` when
+    it ends: ``with kernelpack.recording("recipe.toml"): train_one_step()``. Nothing is written when the block
+    raises, or when a call cannot be written as a recipe (:class:`RecordError` says which and what to write
+    instead). ``compute``: "skip" (calls through kernelpack's entry return zeros, compile nothing) or "compile"."""
+    recorder = Recorder(compute, factories=factories)
+    with runtime.observe_calls(recorder):
+        yield recorder
+    write_recipe(path, recorder.events, name=name)
+
+
+_process_recording: Any = None
+
+
+def start_from_env() -> None:
+    """Record this whole process into ``KERNELPACK_RECORD_DIR`` (set by ``kernelpack record``): called by the
+    sitecustomize record installs, right after ``import torch``."""
+    directory = settings.record_dir()
+    if directory is None:
+        return
+    factories = Factories(**settings.record_factories())
+    sink = directory / f"calls-{os.getpid()}.jsonl"
+    sink.touch()  # this process records (even if it makes no call)
+    recorder = Recorder(settings.record_compute(), sink=sink, factories=factories)
+    global _process_recording
+    _process_recording = runtime.observe_calls(recorder)  # referenced: a collected context would end recording
+    _process_recording.__enter__()  # for the life of the process
+
+
+# Put first on PYTHONPATH by record_command: every Python process of the command imports it at start. It waits for
+# `import torch` (recording needs torch; a process without it records nothing and pays nothing), then starts
+# kernelpack.record.start_from_env(); and it runs the sitecustomize it shadows, if any.
+SITECUSTOMIZE = """\
+import importlib.abc, importlib.machinery, importlib.util, os, sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class _KernelpackRecordAfterTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_record(module):
+            exec_module(module)
+            try:
+                from kernelpack.record import start_from_env
+
+                start_from_env()
+            except Exception as e:
+                print(f"kernelpack record: not recording this process: {type(e).__name__}: {e}", file=sys.stderr)
+
+        spec.loader.exec_module = exec_then_record
+        return spec
+
+
+sys.meta_path.insert(0, _KernelpackRecordAfterTorch())
+_shadowed = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys.path if p != _HERE])
+if _shadowed is not None and _shadowed.loader is not None:
+    _module = importlib.util.module_from_spec(_shadowed)
+    _shadowed.loader.exec_module(_module)
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RecordResult:
+    recipe: Path
+    calls: int  # distinct recipe entries (a call's graphs merged)
+    processes: int  # Python processes of the command that recorded
+    seconds: float  # the command's wall time
+    notes: tuple[str, ...]
+
+
+def record_command(
+    command: Sequence[str],
+    out: str | os.PathLike[str],
+    *,
+    compute: str = "skip",
+    name: str | None = None,
+    factories: Factories | None = None,
+) -> RecordResult:
+    """Run ``command`` (``python train.py ...``) with every Python process of it recording, then write the recipe
+    of all their calls to ``out``. Nothing is written when the command fails or a call cannot be written."""
+    if not command:
+        raise RecordError("no command to record", hint="kernelpack record -o recipe.toml -- python train.py ...")
+    if compute not in COMPUTE:
+        raise RecordError(f"--compute {compute!r}", hint=f"one of {', '.join(COMPUTE)}")
+    target = Path(out)
+    if not target.parent.is_dir() or target.is_dir():  # before the job runs, not after
+        raise RecordError(
+            f"-o {target}: {'is a directory' if target.is_dir() else 'its directory does not exist'}",
+            hint="pass -o a file path in an existing directory, e.g. -o recipes/my-job.toml",
+        )
+    factories = factories or Factories()
+    with tempfile.TemporaryDirectory(prefix="kernelpack-record-") as tmp:
+        site, calls = Path(tmp, "site"), Path(tmp, "calls")
+        site.mkdir()
+        calls.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        env = dict(os.environ)
+        env.update(
+            KERNELPACK_RECORD_DIR=str(calls),
+            KERNELPACK_RECORD_COMPUTE=compute,
+            KERNELPACK_RECORD_FACTORIES=json.dumps({"mask": dict(factories.mask), "score": dict(factories.score)}),
+            PYTHONPATH=os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p),
+        )
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(list(command), env=env, check=False)
+        except OSError as e:
+            raise RecordError(f"cannot run {command[0]!r}: {e}", hint="kernelpack record -o R.toml -- CMD ARGS") from e
+        seconds = time.perf_counter() - start
+        processes = len(list(calls.glob("calls-*.jsonl")))
+        events = read_events(calls)
+    source = shlex.join(command)
+    if proc.returncode != 0:
+        raise RecordError(
+            f"`{source}` exited with status {proc.returncode}: no recipe written",
+            hint="its own output is above; record a run that ends normally (a step or two suffice)",
+        )
+    if processes == 0:
+        raise RecordError(
+            f"no Python process of `{source}` imported torch with kernelpack importable",
+            hint="run the job with the Python that has kernelpack installed (kernelpack record -- python train.py)",
+        )
+    path = write_recipe(target, events, name=name, source=f"`{source}`")
+    notes = tuple(e["note"] for e in events if "note" in e)
+    entries = len({json.dumps({**e["call"]["config"], "graphs": None}, sort_keys=True) for e in events if "call" in e})
+    return RecordResult(path, entries, processes, seconds, notes)
+
+
+def read_events(directory: Path) -> list[dict[str, Any]]:
+    """Every event the processes of a recorded command wrote (one ``calls-<pid>.jsonl`` each)."""
+    events = []
+    for file in sorted(directory.glob("calls-*.jsonl")):
+        for line in file.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):  # a line cut short by a killed process
+                events.append(json.loads(line))
+    return events
+
+
+# ------------------------------------------------------------------------------------------------ one call
+
+
+def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: str | None, factories: Factories) -> Any:
+    """The call event of a call, or the problem event saying why its recipe entry cannot be written."""
+    where = {"call_signature": sig.describe(), "path": path, "site": site}
+    try:
+        mask, mask_closure, window = _mask(arguments.get("block_mask"), sig, factories)
+        score, score_closure = _score(arguments.get("score_mod"), sig, factories)
+        params = {f.name: getattr(sig, f.name) for f in dataclasses.fields(sig)}
+        for f in ("mask", "device_index", "graph", "score_mod"):
+            params.pop(f)
+        config = Config(
+            **params,
+            mask=mask,
+            mask_closure=mask_closure,
+            window=window,
+            score_mod=score,
+            score_closure=score_closure,
+            graphs=(sig.graph,),
+        )
+    except closures.NotRebuildable as e:
+        return {"problem": {**where, "reason": e.message, "hint": e.hint}}
+    except ConfigError as e:
+        return {"problem": {**where, "reason": f"a recipe cannot declare this call: {e}", "hint": _CONFIG_HINT}}
+    except _Unrecordable as e:
+        return {"problem": {**where, "reason": str(e), "hint": e.hint}}
+    return {"call": {**where, "config": config.to_dict(), "device_index": sig.device_index}}
+
+
+_CONFIG_HINT = "kernelpack serves the calls a recipe can declare (README, 'Recipe format')"
+
+
+class _Unrecordable(Exception):
+    def __init__(self, reason: str, hint: str) -> None:
+        super().__init__(reason)
+        self.hint = hint
+
+
+def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None, int | None]:
+    """(mask, mask_closure, window) of a recipe config for the call's BlockMask."""
+    if block_mask is None:
+        raise _Unrecordable(
+            "a call without a block_mask: recipes cannot declare one yet",
+            hint="pass a BlockMask (create_block_mask(lambda b, h, q, kv: q >= 0, None, None, Q, KV) for none)",
+        )
+    if getattr(block_mask, "full_kv_num_blocks", None) is None:
+        raise _Unrecordable(
+            "a BlockMask without full blocks (BlockMask.from_kv_blocks): its graph is not the one kernelpack builds",
+            hint="build the BlockMask with create_block_mask (or kernelpack.masks.block_mask)",
+        )
+    lengths = tuple(getattr(block_mask, "seq_lengths", (sig.q_len, sig.kv_len)))
+    if lengths != (sig.q_len, sig.kv_len):
+        raise _Unrecordable(
+            f"the BlockMask was made for lengths {lengths}, the call has ({sig.q_len}, {sig.kv_len})",
+            hint="build the BlockMask for the call's q and kv lengths",
+        )
+    mask_mod = block_mask.mask_mod
+    tag = getattr(mask_mod, "kernelpack_mask", None)
+    match = re.fullmatch(r"(\w+)\((\d+)\)", str(tag)) if tag is not None else None
+    if match is not None:  # kernelpack's own masks: by name and window
+        return match.group(1), None, int(match.group(2))
+    factory = factories.lookup(mask_mod, "mask")
+    if factory is not None:
+        return factory, None, None
+    ref = closures.describe(mask_mod, "mask")
+    return ref["function"], closures.closure_json(ref), None
+
+
+def _score(score_mod: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None]:
+    if sig.score_mod in ("none", "identity"):  # by graph: any function returning the score is the identity
+        return sig.score_mod, None
+    factory = factories.lookup(score_mod, "score")
+    if factory is not None:
+        return factory, None
+    ref = closures.describe(score_mod, "score_mod")
+    return ref["function"], closures.closure_json(ref)
+
+
+def _stand_in(arguments: Mapping[str, Any]) -> Any:
+    """What flex_attention returns for these arguments, as zeros (gradients too): the shapes, dtypes, devices and
+    autograd connections of the real call, with no compile and no attention computed."""
+    q, k, v = arguments["query"], arguments["key"], arguments["value"]
+    out, lse, max_scores = _zeros_fn().apply(q, k, v)
+    aux = arguments.get("return_aux")
+    if aux is not None:
+        from torch.nn.attention.flex_attention import AuxOutput
+
+        return out, AuxOutput(
+            lse=lse if getattr(aux, "lse", False) else None,
+            max_scores=max_scores if getattr(aux, "max_scores", False) else None,
+        )
+    if arguments.get("return_lse"):
+        return out, lse
+    return out
+
+
+_zeros_class: Any = None
+
+
+def _zeros_fn() -> Any:
+    global _zeros_class
+    if _zeros_class is None:
+        import torch
+
+        class FlexStandIn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, q: Any, k: Any, v: Any) -> Any:
+                ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
+                b, h, s, d = q.shape
+                # flex's output has the query's memory layout (a transposed view stays one)
+                out = torch.zeros_like(q) if v.shape[-1] == d else q.new_zeros((b, h, s, v.shape[-1]))
+                lse = q.new_zeros((b, h, s), dtype=torch.float32)
+                return out, lse, lse.clone()
+
+            @staticmethod
+            def backward(ctx: Any, *grads: Any) -> Any:
+                return tuple(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+
+        _zeros_class = FlexStandIn
+    return _zeros_class
+
+
+# ------------------------------------------------------------------------------------------------ the recipe
+
+
+def recipe_text(
+    events: Sequence[dict[str, Any]], *, name: str, description: str = "", source: str = "path", check: bool = True
+) -> str:
+    """The recipe (TOML) of recorded events: one ``[[calls]]`` table per distinct call (its graphs merged), each
+    with a comment saying where it was made. Raises :class:`RecordError` for problem events (each with what to do)
+    or no call; with ``check``, the text is parsed back and must give exactly the recorded configs."""
+    problems = [e["problem"] for e in events if "problem" in e]
+    if problems:
+        lines = [f"{len(problems)} call(s) cannot be written as a recipe:"]
+        for p in problems:
+            lines.append(f"- {p['call_signature']} ({p['path']} at {p['site'] or 'an unknown site'}): {p['reason']}")
+        hints = list(dict.fromkeys(p["hint"] for p in problems if p.get("hint")))
+        raise RecordError("\n".join(lines), hint="\n\n".join(hints))
+    entries: dict[str, dict[str, Any]] = {}
+    for e in events:
+        if "call" not in e:
+            continue
+        call = e["call"]
+        params = dict(call["config"])
+        graphs = params.pop("graphs")
+        key = json.dumps(params, sort_keys=True)
+        entry = entries.setdefault(key, {"config": params, "graphs": set(), "devices": set(), "seen": set()})
+        entry["graphs"].update(graphs)
+        if call.get("device_index") is not None:
+            entry["devices"].add(call["device_index"])
+        entry["seen"].add(f"{call['path']} at {call['site'] or 'an unknown site'}")
+    if not entries:
+        raise RecordError(
+            "no flex_attention call was recorded",
+            hint='kernelpack sees calls through kernelpack.flex_attention, attn_implementation="kernelpack" and '
+            "torch.compile(flex_attention); inside your own torch.compile(model) flex is part of your graph, which "
+            "record cannot see",
+        )
+    devices = {entry["config"]["device"] for entry in entries.values()}
+    if len(devices) > 1:
+        raise RecordError(
+            f"calls on {sorted(devices)}: a recipe is for one device type",
+            hint="record the CPU and the CUDA job separately",
+        )
+    problem = check_name(name)
+    if problem:
+        raise RecordError(f"recipe name {name!r} {problem}", hint="pass --name")
+    indices = sorted({i for entry in entries.values() for i in entry["devices"]})
+    notes = [e["note"] for e in events if "note" in e]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    out = [f"# Recorded by kernelpack record from {source} on {now}."]
+    out += [f"# note: {n}" for n in notes]
+    if indices and indices != [0]:
+        out.append(f"# CUDA device indices seen: {indices}: build with --devices {','.join(map(str, indices))}")
+    out += [f"name = {_toml(name)}"]
+    if description:
+        out.append(f"description = {_toml(description)}")
+    out += [f"device = {_toml(devices.pop())}", ""]
+    configs = []
+    for entry in sorted(entries.values(), key=lambda x: json.dumps(x["config"], sort_keys=True)):
+        config = Config.from_dict({**entry["config"], "graphs": sorted(entry["graphs"], key=GRAPHS.index)})
+        configs.append(config)
+        out += [f"# {config.describe()}", *(f"# seen: {s}" for s in sorted(entry["seen"]))]
+        if entry["devices"] and sorted(entry["devices"]) != [0]:
+            out.append(f"# device indices: {sorted(entry['devices'])}")
+        out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in _call_table(config).items()), ""]
+    text = "\n".join(out)
+    if check:
+        recipe = parse_recipe(tomllib.loads(text), path="<recorded recipe>")
+        if sorted(c.id for c in recipe.configs) != sorted(c.id for c in configs):  # pragma: no cover - a bug here
+            raise RecordError("the recorded recipe does not read back as recorded", hint="report a kernelpack bug")
+    return text
+
+
+def write_recipe(
+    path: str | os.PathLike[str], events: Sequence[dict[str, Any]], *, name: str | None = None, source: str = "a job"
+) -> Path:
+    """:func:`recipe_text` written atomically to ``path`` (name: the file's stem by default)."""
+    target = Path(path)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", target.stem).lstrip(".") or "recorded"
+    text = recipe_text(events, name=name or stem, source=source)
+    try:
+        write_bytes(target, text.encode())
+    except OSError as e:
+        raise RecordError(f"cannot write {target}: {e}", hint="pass -o a path in a writable directory") from e
+    return target
+
+
+def _call_table(config: Config) -> dict[str, Any]:
+    """A config as a ``[[calls]]`` table: every key that is not its default."""
+    t: dict[str, Any] = {}
+    ref = config.reference("mask")
+    t["mask"] = ref if ref is not None else config.mask
+    if config.window is not None:
+        t["window"] = config.window
+    t["batch"] = config.batch
+    t["q_heads"], t["kv_heads"] = config.q_heads, config.kv_heads
+    if config.q_len == config.kv_len:
+        t["seq_len"] = config.q_len
+    else:
+        t["q_len"], t["kv_len"] = config.q_len, config.kv_len
+    t["head_dim"], t["dtype"], t["graphs"] = config.head_dim, config.dtype, list(config.graphs)
+    if config.layout != "bhsd":
+        t["layout"] = config.layout
+    if config.scale is not None:
+        t["scale"] = config.scale
+    if config.enable_gqa != (config.q_heads != config.kv_heads):
+        t["enable_gqa"] = config.enable_gqa
+    if config.return_lse:
+        t["return_lse"] = True
+    if tuple(config.block_size) != DEFAULT_BLOCK_SIZE:
+        t["block_size"] = list(config.block_size)
+    score = config.reference("score")
+    if score is not None or config.score_mod != "none":
+        t["score_mod"] = score if score is not None else config.score_mod
+    for key, default in (("return_aux", "none"), ("mask_dims", "broadcast"), ("alias", "none"), ("mode", "default")):
+        if getattr(config, key) != default:
+            t[key] = getattr(config, key)
+    if config.dynamic:
+        t["dynamic"] = True
+    if config.kernel_options:
+        t["kernel_options"] = dict(config.kernel_options)
+    return t
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml(value: Any) -> str:
+    """A TOML value (inline tables for dicts)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    if isinstance(value, dict):
+        items = (f"{k if _BARE_KEY.fullmatch(k) else json.dumps(k)} = {_toml(v)}" for k, v in value.items())
+        return "{ " + ", ".join(items) + " }" if value else "{}"
+    raise RecipeError("<recorded recipe>", "?", f"cannot write {type(value).__name__} as TOML", value=value)

@@ -1,0 +1,264 @@
+"""kernelpack record (issue 15): functions by reference, the [[calls]] recipe form, the recorder's stand-in, and the
+proof: a user's own job recorded from its script, built, and replayed in a fresh process with 0 misses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+
+from kernelpack import closures, evidence
+from kernelpack.cli import main
+from kernelpack.errors import KernelpackError, RecipeError
+from kernelpack.recipe import Config, parse_recipe
+from kernelpack.record import RecordError, recipe_text, recording
+from kernelpack.signature import mask_key, mod_graph
+
+PROJECT = Path(__file__).parent / "data" / "record_project"
+sys.path.insert(0, str(PROJECT))
+import user_model  # noqa: E402  (the user's module, importable as the builder will import it)
+
+# ------------------------------------------------------------------------------------------------ closures
+
+
+def _transformers_window(window: int) -> Any:
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    return sliding_window_causal_mask_function(window)
+
+
+@pytest.mark.parametrize("make", [user_model.local_window, _transformers_window], ids=["user", "transformers"])
+def test_a_mask_is_named_by_reference_and_made_again_the_same(make: Any) -> None:
+    fn = make(64)
+    ref = closures.describe(fn)
+    again = closures.rebuild(json.loads(json.dumps(ref)))  # through JSON, as a recipe carries it
+    assert again is not fn and again.__code__ is fn.__code__ and closures.same_function(fn, again)
+    assert mask_key(again) == mask_key(fn)  # the key the manifest records and the runtime matches
+    assert mod_graph(again, "mask") == mod_graph(fn, "mask")
+    other = closures.rebuild(closures.describe(make(128)))
+    assert mask_key(other) != mask_key(fn) and not closures.same_function(fn, other)
+    assert "64" in closures.label(ref)
+
+
+def test_what_cannot_be_named_says_what_to_write_instead() -> None:
+    import torch
+
+    with pytest.raises(closures.NotRebuildable) as tensor:
+        closures.describe(user_model.documents(torch.arange(256) // 100))
+    assert "closes over doc_ids, a tensor (256 int64)" in tensor.value.message
+    hint = tensor.value.hint or ""
+    assert "doc_ids = torch.zeros((256,), dtype=torch.int64" in hint and "def make_same_document(config)" in hint
+    assert "--mask-factory 'documents.<locals>.same_document=my_masks:make_same_document'" in hint
+
+    script: dict[str, Any] = {"__name__": "__main__"}
+    exec("def causal(b, h, q, kv):\n    return q >= kv\n", script)
+    with pytest.raises(closures.NotRebuildable, match=r"defined in the script that was run \(__main__\)"):
+        closures.describe(script["causal"])
+
+    class Masks:
+        def causal(self, b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return q >= kv
+
+    with pytest.raises(closures.NotRebuildable, match="bound method"):
+        closures.describe(Masks().causal)
+
+
+@pytest.mark.parametrize(
+    "ref, fragment",
+    [
+        ({"function": "no_such_module_kp:f"}, "cannot import module 'no_such_module_kp'"),
+        ({"function": "user_model:gone"}, "has no gone"),
+        (
+            {"function": "user_model:local_window.<locals>.local_causal"},
+            "closes over ['window']; the reference gives []",
+        ),
+        ({"function": "user_model:local_window.<locals>.nothing"}, "0 functions named 'nothing'"),
+    ],
+)
+def test_a_reference_that_cannot_be_made_here_is_named(ref: dict, fragment: str) -> None:
+    with pytest.raises(KernelpackError) as e:
+        closures.rebuild(ref)
+    assert fragment in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ [[calls]]
+
+CALL = """
+[[calls]]
+mask = { function = "user_model:local_window.<locals>.local_causal", closure = { window = 64 } }
+q_heads = 4
+kv_heads = 2
+seq_len = 256
+head_dim = 16
+dtype = "float32"
+layout = "bshd"
+score_mod = "identity"
+"""
+
+
+def test_calls_are_configs_beside_the_matrix_and_their_order_is_not_the_recipes() -> None:
+    head = 'name = "r"\ndevice = "cpu"\n'
+    one = parse_recipe(tomllib.loads(head + CALL + CALL.replace("256", "512")))
+    two = parse_recipe(tomllib.loads(head + CALL.replace("256", "512") + CALL))
+    assert one.sha256 == two.sha256 and {c.id for c in one.configs} == {c.id for c in two.configs}
+    (c, _) = one.configs
+    assert c.reference("mask") == {
+        "function": "user_model:local_window.<locals>.local_causal",
+        "closure": {"window": 64},
+    }
+    from kernelpack.masks import mask_for
+
+    assert closures.same_function(mask_for(c), user_model.local_window(64))
+    matrix = head + 'mask = "sliding_window"\nwindows = [64]\n[matrix]\nq_heads = 2\nseq_len = [256]\nhead_dim = 16\n'
+    both = parse_recipe(tomllib.loads(matrix + 'dtypes = ["float32"]\n' + CALL))
+    assert len(both.configs) == 2 and {x.mask for x in both.configs} == {"sliding_window", c.mask}
+
+
+@pytest.mark.parametrize(
+    "text, key, fragment",
+    [
+        (CALL.replace("q_heads = 4", "q_heads = 4\nwindows = [1]"), "calls[0].windows", "unknown key"),
+        (CALL.replace("closure = {", "window = 3, closure = {"), "calls[0].mask.window", "unknown key"),
+        (CALL.replace('dtype = "float32"', 'dtype = "float32"\nwindow = 64'), "calls[0].window", "closure"),
+        (CALL.replace("seq_len = 256", "q_len = 256"), "calls[0].kv_len", "missing"),
+        (CALL.replace('layout = "bshd"', 'layout = "sbhd"'), "calls[0].layout", "unknown layout"),
+        (CALL + CALL, "calls[1]", "repeats config"),
+        ('mask = "sliding_window"\n' + CALL, "mask", "applies to [matrix]"),
+    ],
+)
+def test_a_bad_call_table_is_named(text: str, key: str, fragment: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(tomllib.loads('name = "r"\ndevice = "cpu"\n' + text), path="r.toml")
+    assert e.value.key == key and fragment in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------------------------ the recorder
+
+
+def test_recording_stands_in_for_the_call_and_refuses_what_cpu_cannot_build(tmp_path: Path) -> None:
+    """compute="skip": kernelpack's entry returns zeros of the real call's shapes, dtypes and layout (the lse too),
+    with gradients, and compiles nothing. A CPU training call cannot be built (no compiled backward on CPU): the
+    recording fails, naming the call and the reason, and writes nothing."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import kernelpack
+
+    q = torch.randn(1, 256, 4, 16).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 2, 256, 16, requires_grad=True)
+    mask = create_block_mask(user_model.local_window(64), None, None, 256, 256, device="cpu")
+    out_path = tmp_path / "r.toml"
+    mark = evidence.next_seq()
+    with pytest.raises(RecordError) as e, recording(out_path):
+        out, lse = kernelpack.flex_attention(q, k, k, block_mask=mask, enable_gqa=True, return_lse=True)
+        assert out.shape == q.shape and out.stride() == q.stride() and not out.any()
+        assert lse.shape == (1, 4, 256) and lse.dtype == torch.float32
+        (out.sum() + lse.sum()).backward()
+        assert q.grad is not None and k.grad is not None and q.grad.shape == q.shape and not q.grad.any()
+    assert evidence.compile_records(mark) == []
+    assert "compiled flex_attention has no backward on CPU" in e.value.message and "alias=k=v" in e.value.message
+    assert not out_path.exists()
+
+
+def _event(**over: Any) -> dict:
+    base = dict(device="cuda", mask="sliding_window", window=1024, batch=1, q_heads=32, kv_heads=8, q_len=4096)
+    config = Config(**{**base, "kv_len": 4096, "head_dim": 128, "dtype": "bfloat16", **over})
+    return {"call": {"config": config.to_dict(), "device_index": 0, "path": "kernelpack.flex_attention", "site": "x"}}
+
+
+def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
+    """Reentrant checkpointing makes the same call under no_grad (fwd) and again in backward (fwd+bwd): one entry
+    with both graphs. A call on cuda:1 asks for --devices."""
+    events = [_event(graphs=("fwd",)), _event(graphs=("fwd+bwd",)), _event(graphs=("fwd",), q_len=8192)]
+    events[1]["call"]["device_index"] = 1
+    text = recipe_text(events, name="r")
+    recipe = parse_recipe(tomllib.loads(text))
+    assert sorted((c.q_len, c.graphs) for c in recipe.configs) == [(4096, ("fwd", "fwd+bwd")), (8192, ("fwd",))]
+    assert "build with --devices 0,1" in text
+    with pytest.raises(RecordError, match="no flex_attention call was recorded"):
+        recipe_text([{"note": "n"}], name="r")
+
+
+# ------------------------------------------------------------------------------------------------ the proof
+
+
+def _user_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user's project on the path of the recorded job, the builder and its workers, as they would install it."""
+    monkeypatch.chdir(PROJECT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PROJECT), os.environ.get("PYTHONPATH", "")]))
+
+
+def _record(tmp_path: Path, mode: str) -> Path:
+    recipe = tmp_path / f"{mode}.toml"
+    assert main(["record", "-o", str(recipe), "--", sys.executable, "train.py", mode]) == 0
+    return recipe
+
+
+def _replay(artifact: Path, mode: str, tmp_path: Path) -> dict:
+    cmd = [sys.executable, "train.py", mode, "--artifact", str(artifact), "--cache", str(tmp_path / f"cache-{mode}")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_users_block_recorded_from_its_script_builds_and_replays_with_no_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's block (its own mask closure, transposed-view q/k/v, a score_mod closure, GQA, a scale) at two
+    lengths: recorded through kernelpack.flex_attention and, as its own torch.compile(flex_attention), to the same
+    recipe; built with no hand edit; replayed in fresh processes after activate(): 0 misses on both paths."""
+    from kernelpack.build import build_recipe
+
+    _user_env(monkeypatch)
+    recipe = _record(tmp_path, "block")
+    text = recipe.read_text()
+    assert text.count("[[calls]]") == 2 and '"user_model:local_window.<locals>.local_causal"' in text, text
+    assert "seen: kernelpack.flex_attention at" in text and "user_model.py" in text
+    own = _record(tmp_path, "own")
+    own_recipe, block_recipe = (tomllib.loads(p.read_text()) for p in (own, recipe))
+    assert own_recipe["calls"] == block_recipe["calls"] and "seen: torch.compile(flex_attention)" in own.read_text()
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    for mode in ("block", "own"):
+        out = _replay(built.artifact, mode, tmp_path)
+        assert out["missed"] == 0 and out["refused"] == [], out
+        assert set(out["paths"]) <= {"kernelpack warm-up", "torch.compile(flex_attention)"}, out
+
+
+def test_a_transformers_model_recorded_from_its_script_builds_and_replays_with_no_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("transformers")
+    from kernelpack.build import build_recipe
+
+    _user_env(monkeypatch)
+    recipe = _record(tmp_path, "transformers")
+    text = recipe.read_text()
+    assert '"transformers.masking_utils:and_masks.<locals>.and_mask"' in text and "sliding_window = 64" in text, text
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    out = _replay(built.artifact, "transformers", tmp_path)
+    assert out["missed"] == 0 and out["refused"] == [] and out["paths"] == ["kernelpack warm-up"], out
+
+
+def test_record_fails_before_the_job_and_writes_nothing_when_it_cannot_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _user_env(monkeypatch)
+    ran = tmp_path / "ran"
+    job = [sys.executable, "-c", f"open({str(ran)!r}, 'w')"]
+    assert main(["record", "-o", str(tmp_path / "missing" / "r.toml"), "--", *job]) == 1
+    assert not ran.exists() and "its directory does not exist" in capsys.readouterr().err
+    assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 1
+    assert "exited with status 3: no recipe written" in capsys.readouterr().err
+    assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "train.py", "documents"]) == 1
+    err = capsys.readouterr().err
+    assert "closes over doc_ids, a tensor" in err and "def make_same_document(config)" in err
+    assert "Traceback" not in err and not (tmp_path / "r.toml").exists()
