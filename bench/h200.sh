@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
 #   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
-#                       ckpt-collect|user-bg|user-collect|tf|tf-ckpt-bg|tf-ckpt-collect|all]
+#                       ckpt-collect|user-bg|user-collect|tf|tf-ckpt-bg|tf-ckpt-collect|record|all]
 # RECIPE (default recipes/dflash-drafter.toml) is what build builds; user-bg needs recipes/dflash-drafter-bshd.toml.
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
 # Needs: torch with CUDA, and kernelpack's deps (the device image lacks zstandard: carried as a wheel in .whl/).
@@ -118,6 +118,23 @@ if [[ $what == tf ]]; then
   timeout ${TF_TIMEOUT:-420} python3 bench/transformers_step.py --artifact /tmp/kp-tf/*.kpack \
     --repeats ${TF_REPEATS:-2} --out "$OUT/transformers_step.json" 2>&1 | tee "$OUT/transformers_step.log"
   python3 bench/mask_builder.py --device cuda --lengths 4096,16384 > "$OUT/mask_builder.jsonl" 2>&1
+fi
+# Issue 15: record one training step of the transformers causal LM (bench/tf_train_step.py: reentrant checkpointing),
+# build the recorded recipe, replay the step from the artifact.
+if [[ $what == record ]]; then
+  rm -rf /tmp/kp-rec; mkdir -p /tmp/kp-rec
+  export PYTHONPATH=$PYTHONPATH:$PWD/bench
+  L=${REC_LENGTHS:-4096,8192}
+  t0=$(date +%s.%N)
+  python3 -m kernelpack.cli record -o /tmp/kp-rec/recorded.toml -- python3 bench/tf_train_step.py --lengths $L 2>&1 \
+    | tee "$OUT/record.log"
+  echo "record wall $(python3 -c "print(round($(date +%s.%N) - $t0, 2))") s" | tee -a "$OUT/record.log"
+  cp /tmp/kp-rec/recorded.toml "$OUT/recorded.toml"
+  python3 -m kernelpack.cli build /tmp/kp-rec/recorded.toml -o /tmp/kp-rec --jobs 4 2>&1 | tee "$OUT/build-recorded.log"
+  for i in 1 2; do
+    python3 bench/tf_train_step.py --lengths $L --artifact /tmp/kp-rec/*.kpack --cache /tmp/kp-rec/cache$i \
+      2>&1 | tail -1 | tee -a "$OUT/replay.jsonl"
+  done
 fi
 if [[ $what == keep ]]; then cp $ART_DIR/*.kpack "$OUT/"; fi
 # The device tool gives 10 minutes a call: start the benchmark detached, collect it with a second call.

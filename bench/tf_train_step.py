@@ -1,0 +1,67 @@
+"""A user's training job for `kernelpack record` on the GPU (issue 15's H200 proof): the transformers causal LM of
+bench/transformers_step.py (Mistral architecture: GQA 32/8, D=128, sliding window 1024, bf16) with
+attn_implementation="kernelpack" and transformers' own reentrant gradient checkpointing, one training step per
+length. Prints one JSON line: each length's step seconds and what torch compiled during the step.
+
+    kernelpack record -o r.toml -- python bench/tf_train_step.py --lengths 4096,8192   # no artifact: recorded
+    kernelpack build r.toml -o out
+    python bench/tf_train_step.py --lengths 4096,8192 --artifact out/*.kpack          # replayed: 0 compiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import MistralForCausalLM  # the model's code before activate()
+from transformers_step import config
+
+from kernelpack import evidence, runtime
+from kernelpack.integrations import transformers as hf
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--lengths", default="4096,8192")
+ap.add_argument("--artifact")
+ap.add_argument("--cache")
+ap.add_argument("--tiny", action="store_true")
+args = ap.parse_args()
+device = "cuda" if torch.cuda.is_available() else "cpu"
+t0 = time.perf_counter()
+if args.artifact:
+    runtime.activate(args.artifact, cache_dir=args.cache)
+else:
+    hf.register()
+evidence.watch_compiles()
+activate_s = time.perf_counter() - t0
+cfg = config(args.tiny)
+cfg._attn_implementation = "kernelpack"
+torch.manual_seed(0)
+with torch.device(device):
+    model = MistralForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32).train()
+model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+mark = evidence.next_seq()
+steps = []
+for n in (int(x) for x in args.lengths.split(",")):
+    ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
+    start = time.perf_counter()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    steps.append(time.perf_counter() - start)
+records = evidence.compile_records(mark)
+print(
+    json.dumps(
+        {
+            "artifact": args.artifact,
+            "activate_s": activate_s,
+            "step_s": steps,
+            "compiles_in_steps": len(records),
+            "misses_in_steps": sum(r.missed for r in records),
+            "compiled_code": sorted({r.code.split(" (")[0] for r in records}),
+            "report": runtime.report().summary() if args.artifact else None,
+            "torch": torch.__version__,
+        }
+    )
+)
