@@ -171,3 +171,24 @@ def test_a_transformers_model_trains_through_kernelpack_and_in_checkpointed_thre
     assert abs(loss - ref_loss) < 1e-2 * abs(ref_loss) and out["grads"], out
     assert out["out_rel"] < 2e-2 and out["grad_rel"] < 5e-2, out
     _checkpoint_runs(built.artifact, ("none", "reentrant", "nonreentrant"), tmp_path, block="tf")
+
+
+def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path: Path) -> None:
+    """Issue 15 on CUDA: `kernelpack record` of a user's training step (a tiny Mistral, attn_implementation=
+    "kernelpack", transformers' reentrant gradient checkpointing: the forward under no_grad and its recompute with
+    grad), built with no hand edit, replayed in a fresh process: the step compiles nothing."""
+    pytest.importorskip("transformers")
+    bench = Path(__file__).parent.parent / "bench"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(bench), os.environ.get("PYTHONPATH", "")]))
+    recipe = tmp_path / "recorded.toml"
+    job = [sys.executable, str(bench / "tf_train_step.py"), "--tiny", "--lengths", "256,512"]
+    cli = [sys.executable, "-m", "kernelpack.cli"]
+    subprocess.run([*cli, "record", "-o", str(recipe), "--", *job], env=env, check=True, timeout=600)
+    text = recipe.read_text()
+    assert text.count("[[calls]]") == 2 and text.count('graphs = ["fwd", "fwd+bwd"]') == 2, text
+    built = build(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed
+    replay = [*job, "--artifact", str(built.artifact), "--cache", str(tmp_path / "cache")]
+    out = subprocess.run(replay, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["compiles_in_steps"] == 0 and result["misses_in_steps"] == 0, result
