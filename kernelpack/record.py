@@ -86,6 +86,7 @@ class Recorder:
         self.events: list[dict[str, Any]] = []
         self._seen: set[CallSignature] = set()
         self._notes: set[str] = set()
+        self._compiled_shapes: set[tuple[int, int, int]] = set()  # met by the user's own torch.compile
         self._lock = threading.Lock()
 
     def __call__(self, path: str, arguments: Mapping[str, Any] | None, mode: str, dynamic: bool) -> Any:
@@ -106,7 +107,23 @@ class Recorder:
                 return stand_in
             self._seen.add(sig)
         self._add(_event(sig, arguments, path, evidence.user_site(), self.factories))
+        if path == "torch.compile(flex_attention)":
+            self._automatic_dynamic(sig)
         return stand_in
+
+    def _automatic_dynamic(self, sig: CallSignature) -> None:
+        """The user's own torch.compile(flex_attention) meeting a second shape: with torch.compile's default
+        ``dynamic=None``, Dynamo compiles that one as a dynamic graph (automatic dynamic shapes), which the recorded
+        static configs do not serve. Its options are not in the frame, so record says so rather than guess."""
+        with self._lock:
+            self._compiled_shapes.add((sig.batch, sig.q_len, sig.kv_len))
+            several = len(self._compiled_shapes) > 1
+        if several:
+            self._note(
+                "torch.compile(flex_attention) met several shapes: if it leaves dynamic at its default, torch compiles "
+                "every shape after the first as a dynamic graph, which these static configs do not serve; pass "
+                "torch.compile(flex_attention, dynamic=False), or call kernelpack.flex_attention"
+            )
 
     def _note(self, text: str) -> None:
         with self._lock:
@@ -138,7 +155,9 @@ def recording(
     recorder = Recorder(compute, factories=factories)
     with runtime.observe_calls(recorder):
         yield recorder
-    write_recipe(path, recorder.events, name=name)
+    write_recipe(
+        path, recorder.events, name=name, source=f"kernelpack.recording() in `{shlex.join(sys.argv) or 'python'}`"
+    )
 
 
 _process_recording: Any = None

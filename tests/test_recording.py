@@ -11,13 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 
 from kernelpack import closures, evidence
 from kernelpack.cli import main
 from kernelpack.errors import KernelpackError, RecipeError
 from kernelpack.recipe import Config, parse_recipe
-from kernelpack.record import RecordError, recipe_text, recording
+from kernelpack.record import RecordError, recipe_text, recording, tomllib  # tomli on 3.10
 from kernelpack.signature import mask_key, mod_graph
 
 PROJECT = Path(__file__).parent / "data" / "record_project"
