@@ -217,6 +217,17 @@ def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None
 # ------------------------------------------------------------------------------------------------ rebuild
 
 
+def import_module(name: str, what: str) -> types.ModuleType:
+    """The module a recipe names (``what`` says for what), or an error saying it must be importable here."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise KernelpackError(
+            f"{what}: cannot import module {name!r}: {e}",
+            hint="the module must be importable in the builder and in every worker (pip install it or set PYTHONPATH)",
+        ) from e
+
+
 def _rebuild(ref: Any, depth: int) -> Any:
     if depth > _DEPTH + 1:
         raise KernelpackError("a function reference nested too deep", hint="write a factory instead")
@@ -224,13 +235,7 @@ def _rebuild(ref: Any, depth: int) -> Any:
         raise KernelpackError(f"not a function reference: {ref!r}", hint='{function = "pkg.module:qualname", ...}')
     spec = ref["function"]
     module_name, _, qualname = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise KernelpackError(
-            f"function {spec!r}: cannot import module {module_name!r}: {e}",
-            hint="the module must be importable in the builder and in every worker (pip install it or set PYTHONPATH)",
-        ) from e
+    obj: Any = import_module(module_name, f"function {spec!r}")
     globals_ = vars(obj)
     parts = qualname.split(".")
     code: types.CodeType | None = None

@@ -9,7 +9,6 @@ the key. Each built-in mask_mod carries ``kernelpack_mask``, the name :func:`ker
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -103,13 +102,7 @@ def _from_factory(spec: str, config: Config, what: str, returns: str) -> Any:
 
 def load_factory(spec: str) -> Callable[[Config], MaskMod]:
     module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise KernelpackError(
-            f"mask {spec!r}: cannot import module {module_name!r}: {e}",
-            hint="the module must be importable in the builder and in every worker (pip install it or set PYTHONPATH)",
-        ) from e
+    obj: Any = closures.import_module(module_name, f"mask {spec!r}")
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
