@@ -8,7 +8,10 @@ Invariants:
   (caches and artifacts hold code that workers execute), and never 0600 (mkstemp's), which would hide a shared
   artifact from the node's other users.
 - Temp files and staging directories carry their owner (host and pid) in their name, so that a later process can
-  tell a killed writer's leftovers from a live one's: SIGKILL skips every cleanup.
+  tell a killed writer's leftovers from a live one's: SIGKILL skips every cleanup. A pid means nothing in another
+  PID namespace (two pods sharing a hostPath cache and a hostname), so a staging directory also holds an flock on
+  its ``.owner`` file for as long as its writer lives: the kernel drops it when the writer dies, whatever killed it,
+  and a reaper that can take it knows the directory is dead (:func:`make_stage_dir`, :func:`reap_dead`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-_CHUNK = 1 << 20
+CHUNK = 1 << 20
 FILE_MODE = 0o644
 DIR_MODE = 0o755
 
@@ -34,7 +37,7 @@ DIR_MODE = 0o755
 def sha256_file(path: Path | str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
@@ -98,19 +101,22 @@ def pid_alive(pid: int) -> bool:
 
 
 def reap_dead(directory: Path, prefix: str) -> None:
-    """Remove ``directory``'s entries named ``<prefix><host>-<pid>-...`` whose writer, a process on this host, is gone.
-
-    Entries of other hosts (a shared filesystem) and of live processes are left alone."""
+    """Remove ``directory``'s entries named ``<prefix><host>-<pid>-...`` whose writer is gone: for a staging directory
+    with an ``.owner`` file, when nobody holds its flock (valid across PID namespaces); otherwise when the pid, a
+    process on this host, is not alive. Entries of other hosts (a shared filesystem) and live ones are left alone."""
     mine = f"{prefix}{_host()}-"
     try:
         names = [n for n in os.listdir(directory) if n.startswith(mine)]
     except OSError:
         return
     for name in names:
-        pid = name[len(mine) :].split("-", 1)[0]
-        if not pid.isdigit() or pid_alive(int(pid)):
-            continue
         path = directory / name
+        owned = _owner_alive(path)
+        if owned is None:  # no owner file: the pid tells
+            pid = name[len(mine) :].split("-", 1)[0]
+            owned = not pid.isdigit() or pid_alive(int(pid))
+        if owned:
+            continue
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -118,10 +124,57 @@ def reap_dead(directory: Path, prefix: str) -> None:
                 path.unlink()
 
 
+OWNER_FILE = ".owner"
+_owned: dict[Path, int] = {}  # staging directory -> the fd holding the flock on its owner file
+
+
+def _owner_alive(path: Path) -> bool | None:
+    """Whether the process that made staging directory ``path`` still holds its owner flock; None when ``path`` has
+    no owner file (a temp file, or a directory of an older kernelpack) or flock is not available."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    if path in _owned:
+        return True  # ours (flock is per open file: taking it again here would succeed)
+    try:
+        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
+
+
 def make_stage_dir(root: Path, prefix: str) -> Path:
-    """A fresh private directory in ``root`` named ``<prefix><owner>...``; dead owners' ones are reaped first."""
+    """A fresh private directory in ``root`` named ``<prefix><owner>...``, whose owner flock this process holds until
+    :func:`remove_stage_dir`; dead owners' ones are reaped first."""
     reap_dead(root, prefix)
-    return Path(tempfile.mkdtemp(prefix=prefix + owner_tag(), dir=root))
+    d = Path(tempfile.mkdtemp(prefix=prefix + owner_tag(), dir=root))
+    try:
+        import fcntl
+
+        fd = os.open(d / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _owned[d] = fd
+    except ImportError:  # pragma: no cover - Windows: the pid in the name is the only owner mark
+        pass
+    return d
+
+
+def remove_stage_dir(d: Path) -> None:
+    """Remove a staging directory made by :func:`make_stage_dir` and let go of its owner flock."""
+    shutil.rmtree(d, ignore_errors=True)
+    fd = _owned.pop(d, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def makedirs(d: Path, created: list[Path]) -> None:

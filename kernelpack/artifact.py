@@ -50,6 +50,11 @@ MANIFEST_NAME = "manifest.json"
 TREE_PREFIX = "cache/"
 SUFFIX = ".kpack"
 MAX_MANIFEST_BYTES = 64 << 20
+# Bounds on what one manifest may list, checked before any other work on it, so that parsing a hostile manifest costs
+# time and memory linear in its size (docs/RELIABILITY.md). Inductor's paths are 4-6 parts, under 300 characters.
+MAX_FILES = 100_000
+MAX_PATH_PARTS = 32
+MAX_PATH_CHARS = 1024
 # zstd long-distance matching finds the Triton binaries that appear both as files and inside FX-graph entries
 # (pickled bundles), which file-level dedup cannot see. The reader must allow the same window.
 WINDOW_LOG = 27
@@ -390,6 +395,8 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
 
 def _files(source: str, raw: object) -> dict[str, FileEntry]:
     files: dict[str, FileEntry] = {}
+    if len(_list(raw)) > MAX_FILES:
+        raise ArtifactError(source, f"manifest.json lists {len(_list(raw))} files, over the limit of {MAX_FILES}")
     for f in _list(raw):
         size = f["size"]
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
@@ -610,10 +617,12 @@ def _read_manifest_member(path: str, tar: tarfile.TarFile) -> Manifest:
 
 
 def _check_name(path: str, rel: str) -> None:
-    """A cache path must be a normalized relative POSIX path: no absolute paths, '..', '.', empty parts, NUL."""
+    """A cache path must be a normalized relative POSIX path: no absolute paths, '..', '.', empty parts, NUL; at most
+    MAX_PATH_CHARS characters in MAX_PATH_PARTS parts."""
     if (
         not rel
-        or len(rel) > 4096
+        or len(rel) > MAX_PATH_CHARS
+        or rel.count("/") >= MAX_PATH_PARTS
         or rel.startswith("/")
         or "\\" in rel
         or "\0" in rel
@@ -621,7 +630,8 @@ def _check_name(path: str, rel: str) -> None:
         or any(part in ("", ".", "..") or len(part) > 255 for part in rel.split("/"))
         or not is_shipped(rel)
     ):
-        raise ArtifactError(path, "unsafe or non-normalized path", member=rel)
+        shown = rel if len(rel) <= 200 else rel[:200] + f"... ({len(rel)} characters)"
+        raise ArtifactError(path, "unsafe, non-normalized, too long or too deep path", member=shown)
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import click
 from . import settings
 from ._version import __version__
 from .build import BuildProgress, ConfigOutcome
-from .errors import KernelpackError
+from .errors import KernelpackError, printable
 
 
 class _Progress(BuildProgress):
@@ -97,6 +97,11 @@ def _needs_torch(command: str) -> None:
             hint="install the torch build you train with (pip install torch==...); inspect, ls, push, merge and lock "
             "work without it",
         )
+
+
+def _echo(text: str) -> None:
+    """A line that holds names read from an artifact or a registry: control characters escaped."""
+    click.echo(printable(text))
 
 
 def _hms(seconds: float) -> str:
@@ -181,20 +186,20 @@ def inspect_cmd(artifact: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(m.to_dict(), indent=1, sort_keys=True))
         return
-    click.echo(f"{m.name}  (format {FORMAT_VERSION}, kernelpack {m.kernelpack_version})")
-    click.echo(f"recipe: {m.recipe_name}  sha256 {str(m.recipe.get('sha256', '?'))[:16]}")
+    _echo(f"{m.name}  (format {FORMAT_VERSION}, kernelpack {m.kernelpack_version})")
+    _echo(f"recipe: {m.recipe_name}  sha256 {str(m.recipe.get('sha256', '?'))[:16]}")
     click.echo(
         f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m.files)} files, {_size(m.total_size)} expanded"
     )
-    click.echo("build key:")
+    _echo("build key:")
     for k, v in m.build_key.to_dict().items():
-        click.echo(f"  {k:14} {v}")
-    click.echo(f"devices: {list(m.devices)}")
-    click.echo(f"configs ({len(m.configs)}):")
+        _echo(f"  {k:14} {v}")
+    _echo(f"devices: {list(m.devices)}")
+    _echo(f"configs ({len(m.configs)}):")
     for c in m.configs:
-        click.echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}")
+        _echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}")
     for f in m.failed:
-        click.echo(f"  FAILED {f.config.id} (device {f.device}): {f.error}")
+        _echo(f"  FAILED {f.config.id} (device {f.device}): {f.error}")
 
 
 @commands.command(name="install")
@@ -296,7 +301,7 @@ def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tu
         rows.append((e.recipe, k.torch_version, k.torch_git[:12], device, _size(e.size), created, e.path))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        _echo("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 @commands.command(name="pull")
@@ -401,7 +406,7 @@ def _show_warning(
     file: Any = None,
     line: str | None = None,
 ) -> None:
-    click.echo(f"warning: {message}", err=True)
+    click.echo(f"warning: {printable(str(message))}", err=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -413,9 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KernelpackError as e:
         if verbose:
             raise
-        click.echo(f"error: {e.message}", err=True)
+        click.echo(f"error: {printable(e.message)}", err=True)
         if e.hint:
-            click.echo(f"hint: {e.hint}", err=True)
+            click.echo(f"hint: {printable(e.hint)}", err=True)
         return 1
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

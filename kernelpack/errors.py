@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+def printable(text: str) -> str:
+    """``text`` with control characters escaped (newlines kept): names from an artifact or a registry are data, and
+    a terminal escape in them must not reach the terminal raw."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
+
 class KernelpackError(Exception):
     """Base class. ``hint`` says what to do about it."""
 
@@ -147,9 +153,9 @@ class VerifyError(KernelpackError, RuntimeError):
 class InstallError(KernelpackError, OSError):
     """The target cache directory could not be written. Nothing half-written was left."""
 
-    def __init__(self, target: str, message: str) -> None:
+    def __init__(self, target: str, message: str, *, hint: str | None = None) -> None:
         self.target = target
-        super().__init__(f"{target}: {message}", hint="check permissions and free space of the cache directory")
+        super().__init__(f"{target}: {message}", hint=hint or "check permissions and free space of the cache directory")
 
 
 class NotPrecompiledError(KernelpackError, RuntimeError):

@@ -54,15 +54,26 @@ class InstallResult:
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     """``cache_dir`` if given, else the directory inductor will use in this process (TORCHINDUCTOR_CACHE_DIR or
-    torch's default under the temp dir). Read at call time."""
+    torch's default under the temp dir). Read at call time. Raises :class:`InstallError` for a name that cannot be
+    a directory here (empty, a file, a symlink loop)."""
     if cache_dir is not None:
-        return Path(cache_dir).absolute()
-    env = settings.inductor_cache_dir()
-    if env is not None:
-        return env
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        if not str(cache_dir).strip():
+            raise InstallError(repr(str(cache_dir)), "an empty cache directory name", hint="pass a directory path")
+        path = Path(cache_dir).absolute()
+    else:
+        env = settings.inductor_cache_dir()
+        if env is None:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    return Path(default_cache_dir()).absolute()
+            env = Path(default_cache_dir()).absolute()
+        path = env
+    try:
+        real = path.resolve()
+    except (RuntimeError, OSError) as e:  # pathlib raises RuntimeError for a symlink loop (< 3.13)
+        raise InstallError(str(path), f"cannot be resolved: {e}", hint="fix the cache directory path") from None
+    if real.exists() and not real.is_dir():
+        raise InstallError(str(path), "is not a directory", hint="point the cache directory at a directory")
+    return path
 
 
 def rank_cache_dir(base: str | os.PathLike[str] | None = None, local_rank: int | None = None) -> Path:
@@ -130,7 +141,10 @@ def install_artifact(
     marker = marker_path(target, sha)
     counts = _Counts()
     noop = _marker_valid(marker, target, manifest)
-    if not noop:
+    if noop:
+        _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
+    else:
+        _check_state_dir(target)  # before any file is committed: a failed install leaves the target as it was
         with _node_lock(target):
             noop = _marker_valid(marker, target, manifest)  # another worker may have finished while we waited
             if not noop:
@@ -170,6 +184,21 @@ class _Counts:
     present: int = 0
     kept: list[str] = field(default_factory=list)  # differing entries already there, left alone
     nbytes: int = 0
+
+
+def _check_state_dir(target: Path) -> None:
+    """The marker's directory must be (or become) a real directory inside the target: not a file, not a symlink to
+    elsewhere. Checked before extracting, so a marker that cannot be written fails the install with the target
+    unchanged."""
+    state = target / STATE_DIR
+    for p in (state, state / "installed"):
+        if p.is_symlink() or (p.exists() and not p.is_dir()):
+            raise InstallError(
+                str(target),
+                f"{p} is {'a symlink' if p.is_symlink() else 'not a directory'}: kernelpack keeps its install markers "
+                "there and follows no link out of the cache directory",
+                hint=f"remove {p}",
+            )
 
 
 def _marker_valid(marker: Path, target: Path, manifest: art.Manifest) -> bool:
@@ -244,12 +273,17 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
             staged.append((tmp, dest, member.entry))
         real_roots = [r.resolve() for r in stages]
         for tmp, dest, entry in staged:
-            _fs.makedirs(dest.parent, created)
-            if not any(dest.parent.resolve().is_relative_to(r) for r in real_roots):
+            # checked before creating anything below it: a symlink inside the target (C/fxgraph -> /elsewhere) must
+            # not get directories made through it
+            existing = dest.parent
+            while not existing.exists() and not existing.is_symlink():
+                existing = existing.parent
+            if not any(existing.resolve().is_relative_to(r) for r in real_roots):
                 raise InstallError(
                     str(target),
-                    f"{dest.parent} leads outside the cache directory (a symlink); refusing to write through it",
+                    f"{existing} leads outside the cache directory (a symlink); refusing to write through it",
                 )
+            _fs.makedirs(dest.parent, created)
             if _fs.link_no_clobber(tmp, dest):
                 created.append(dest)
                 counts.written += 1
@@ -262,7 +296,7 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
         return counts
     except BaseException as e:
         for stage in stages.values():
-            shutil.rmtree(stage, ignore_errors=True)
+            _fs.remove_stage_dir(stage)
         stages.clear()
         for p in reversed(created):
             with contextlib.suppress(OSError):
@@ -272,7 +306,7 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
         raise
     finally:
         for stage in stages.values():
-            shutil.rmtree(stage, ignore_errors=True)
+            _fs.remove_stage_dir(stage)
 
 
 def _write_marker(marker: Path, data: dict[str, object]) -> None:

@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from urllib.parse import quote, unquote
 
 NONE = "none"
+_SAFE_FIELDS = {
+    "torch_version": re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}"),
+    "torch_git": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
+    "device_type": re.compile(r"cuda|cpu"),
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,6 +35,14 @@ class BuildKey:
     capability: str
     # C++ (CPU) kernel keys contain the absolute -I/-L paths of the torch install; Triton (GPU) keys do not.
     torch_dir: str
+
+    def __post_init__(self) -> None:
+        # Parts of these name registry directories and artifact files (tag, store.key_id): a key read from an
+        # artifact or a registry entry must not be able to name a path outside them ("../../x", "/abs").
+        for name, pattern in _SAFE_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or not pattern.fullmatch(value):
+                raise ValueError(f"build key {name} {value!r} is not allowed (expected {pattern.pattern})")
 
     def __str__(self) -> str:
         return ";".join(f"{f.name}={quote(getattr(self, f.name), safe='')}" for f in dataclasses.fields(self))
@@ -97,7 +110,8 @@ def probe(device_type: str, device_index: int = 0) -> BuildKey:
     except ImportError:
         triton_version = NONE
     gpu_name = capability = NONE
-    if device_type == "cuda":
+    # no CUDA here (CPU-only torch, no device): "none", so that a GPU artifact is refused field by field
+    if device_type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(device_index)
         gpu_name = props.name
         capability = f"{props.major}.{props.minor}"

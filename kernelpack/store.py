@@ -20,9 +20,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import posixpath
+import re
+import shutil
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,8 +34,16 @@ from typing import Any
 
 from . import _fs, _lock, settings
 from . import artifact as art
-from .errors import KernelpackError, LockMismatchError, NoMatchingArtifactError, RegistryError
+from .errors import (
+    KernelpackError,
+    KernelpackWarning,
+    LockMismatchError,
+    NoMatchingArtifactError,
+    RegistryError,
+    printable,
+)
 from .keys import BuildKey, device_slug, differences, probe
+from .recipe import check_name
 
 INDEX = "index.json"
 ENTRY_SUFFIX = ".json"
@@ -60,7 +72,58 @@ class Entry:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Entry:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
+        """A registry entry, validated: every field that becomes a path, a size or a hash is checked here, before
+        anything uses it (an entry is data from whoever can write the registry). Raises ValueError naming the
+        field."""
+        if not isinstance(d, Mapping):
+            raise ValueError("an entry must be a JSON object")
+        missing = sorted(set(cls.__dataclass_fields__) - d.keys())
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        problem = check_name(d["recipe"])
+        if problem:
+            raise ValueError(f"recipe {d['recipe']!r} {problem}")
+        name = d["name"]
+        if not safe_component(name) or not str(name).endswith(art.SUFFIX):
+            raise ValueError(f"name {name!r} is not a safe {art.SUFFIX} file name")
+        if not isinstance(d["sha256"], str) or not _SHA256.fullmatch(d["sha256"]):
+            raise ValueError(f"sha256 {d['sha256']!r} is not 64 lowercase hex digits")
+        for field_name, top in (("size", _MAX_PAYLOAD), ("created", _MAX_CREATED), ("configs", 1 << 32)):
+            value = d[field_name]
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+                raise ValueError(f"{field_name} {value!r} is not an integer in [0, {top}]")
+        devices = d["devices"]
+        if not isinstance(devices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in devices):
+            raise ValueError(f"devices {devices!r} is not a list of integers")
+        build_key = d["build_key"]
+        if not isinstance(build_key, dict) or not all(isinstance(v, str) for v in build_key.values()):
+            raise ValueError("build_key is not an object of strings")
+        entry = cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        key = BuildKey.from_dict(build_key)  # validates the parts that name directories
+        expected = f"{entry.recipe}/{key_id(key)}/{entry.name}"
+        if entry.path != expected:
+            raise ValueError(f"path {entry.path!r} is not where this entry's payload belongs ({expected!r})")
+        return entry
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_PAYLOAD = 1 << 40  # bytes of one artifact
+_MAX_CREATED = 1 << 34  # seconds since the epoch (the year 2514)
+_MAX_ENTRY_BYTES = 1 << 20  # one entry's JSON
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def safe_component(value: object) -> bool:
+    """Whether ``value`` can be one path component of a registry or cache path: no separator, no '..', no control
+    character (which would also reach a terminal raw)."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= 255
+        and value not in (".", "..")
+        and not value.startswith(".")
+        and not any(c in value for c in "/\\")
+        and value.isprintable()
+    )
 
 
 def key_id(key: BuildKey) -> str:
@@ -110,32 +173,76 @@ class Registry:
     # ------------------------------------------------------------------------------------------------ reading
 
     def entries(self, recipe: str | None = None) -> list[Entry]:
+        """Every valid entry (of ``recipe``), newest first. A malformed or unreadable entry is skipped with one
+        warning naming it: it must not stop every pull of every other recipe."""
+        raw: list[tuple[str, Any]] = []
+        skipped: list[str] = []
         if self.read_only:
             with self._errors(f"reading {INDEX}"):
-                data = json.loads(self.fs.cat(self._p(INDEX)))
-            raw = data.get("entries", []) if isinstance(data, dict) else []
+                blob = self.fs.cat_file(self._p(INDEX), start=0, end=_MAX_INDEX_BYTES + 1)
+            if len(blob) > _MAX_INDEX_BYTES:
+                raise RegistryError(self.url, f"{INDEX} is over {_MAX_INDEX_BYTES} bytes")
+            try:
+                data = json.loads(blob)
+            except (ValueError, RecursionError) as e:
+                raise RegistryError(
+                    self.url, f"{INDEX} is not valid JSON: {e}", hint="push again to rewrite it"
+                ) from None
+            items = data.get("entries", []) if isinstance(data, dict) else []
+            raw = [(f"{INDEX} entry {i}", d) for i, d in enumerate(items if isinstance(items, list) else [])]
         else:
             with self._errors("listing entries"):
                 if not self.fs.exists(self.root or "/"):
                     raise RegistryError(self.url, "registry does not exist (no such directory or bucket)")
                 paths = sorted(self.fs.glob(self._p(f"*/*/*{art.SUFFIX}{ENTRY_SUFFIX}")))
-                raw = [json.loads(self.fs.cat(p)) for p in paths]
+            for p in paths:
+                try:
+                    with self._errors(f"reading {p}"):
+                        blob = self.fs.cat_file(p, start=0, end=_MAX_ENTRY_BYTES + 1)
+                    if len(blob) > _MAX_ENTRY_BYTES:
+                        raise ValueError(f"over {_MAX_ENTRY_BYTES} bytes")
+                    raw.append((p, json.loads(blob)))
+                except (ValueError, RecursionError, RegistryError) as e:
+                    skipped.append(f"{p}: {e}")
         entries = []
-        for d in raw:
+        for where, d in raw:
             try:
                 entries.append(Entry.from_dict(d))
-            except (KeyError, TypeError, ValueError):
-                continue  # not ours, or from a future format: skip rather than fail every listing
+            except (KeyError, TypeError, ValueError) as e:
+                skipped.append(f"{where}: {e}")
+        if skipped:
+            shown = "; ".join(printable(x) for x in skipped[:3]) + (
+                f"; and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+            )
+            noun = "entry" if len(skipped) == 1 else "entries"
+            warnings.warn(
+                f"kernelpack: skipped {len(skipped)} malformed {noun} in {self.url}: {shown}",
+                KernelpackWarning,
+                stacklevel=2,
+            )
         return sorted(
             (e for e in entries if recipe is None or e.recipe == recipe), key=lambda e: (e.recipe, -e.created, e.path)
         )
 
-    def fetch(self, entry: Entry, dest: Path) -> None:
-        """Download the payload to ``dest`` (a temp path the caller renames); raises if it is not all there."""
+    def fetch(self, entry: Entry, dest: Path) -> str:
+        """Download the payload to ``dest`` (a new temp path the caller renames), reading at most the published size
+        (a payload that never ends is cut off there); returns its sha256. Raises if it is not all there."""
+        h = hashlib.sha256()
+        n = 0
         with self._errors(f"downloading {entry.path}"):
-            self.fs.get_file(self._p(entry.path), str(dest))
-        if dest.stat().st_size != entry.size:
-            raise RegistryError(self.url, f"{entry.path}: downloaded {dest.stat().st_size} of {entry.size} bytes")
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _fs.FILE_MODE)
+            with self.fs.open(self._p(entry.path), "rb") as src, os.fdopen(fd, "wb") as out:
+                while chunk := src.read(min(_fs.CHUNK, entry.size + 1 - n)):
+                    n += len(chunk)
+                    if n > entry.size:
+                        raise RegistryError(
+                            self.url, f"{entry.path}: longer than the {entry.size} bytes published; stopped reading"
+                        )
+                    h.update(chunk)
+                    out.write(chunk)
+        if n != entry.size:
+            raise RegistryError(self.url, f"{entry.path}: downloaded {n} of {entry.size} bytes")
+        return h.hexdigest()
 
     # ------------------------------------------------------------------------------------------------ writing
 
@@ -164,25 +271,58 @@ class Registry:
         )
         entry_path = self._p(entry.path + ENTRY_SUFFIX)
         status = "pushed"
+        Entry.from_dict(asdict(entry))  # the names this push writes under are safe path components
         with self._errors(f"pushing {entry.path}"):
             if self.fs.exists(entry_path):
-                old = Entry.from_dict(json.loads(self.fs.cat(entry_path)))
-                if old.sha256 == entry.sha256:
-                    return old, "unchanged"
-                if not force:
+                try:
+                    old: Entry | None = Entry.from_dict(json.loads(self.fs.cat_file(entry_path)))
+                except (ValueError, KeyError, TypeError, RecursionError):
+                    old = None  # a damaged entry: this push rewrites it
+                if old is not None and old.sha256 == entry.sha256:
+                    if self._payload_intact(entry):
+                        return old, "unchanged"
+                    status = "repaired"  # the entry is there, its payload is missing or cut short
+                elif old is not None and not force:
                     raise RegistryError(
                         self.url,
                         f"{entry.path} already holds another artifact for this build (sha256 {old.sha256[:16]}… "
                         f"!= {entry.sha256[:16]}…)",
                         hint="pass --force to replace it",
                     )
-                status = "replaced"
+                else:
+                    status = "replaced" if old is not None else "repaired"
             # Payload first, entry last: an entry is only ever written once its payload is complete.
             self.fs.makedirs(posixpath.dirname(self._p(entry.path)), exist_ok=True)
-            self.fs.put_file(path, self._p(entry.path))
-            self.fs.pipe_file(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
+            self._put(path, self._p(entry.path))
+            self._pipe(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
             self._write_index()
         return entry, status
+
+    def _payload_intact(self, entry: Entry) -> bool:
+        try:
+            return bool(self.fs.size(self._p(entry.path)) == entry.size)
+        except (FileNotFoundError, OSError):
+            return False
+
+    def _local(self) -> bool:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return protocol in ("file", "local")
+
+    def _put(self, src: str, dest: str) -> None:
+        """Upload a file. On a local directory through a temp name and a rename, so that a reader (or a pusher
+        replacing it) never sees it half-written; an object store's put is atomic per object."""
+        if self._local():
+            _fs.reap_dead(Path(dest).parent, f".{Path(dest).name}.")  # temp payloads of pushes killed on this host
+            with _fs.atomic_path(Path(dest)) as tmp:
+                shutil.copyfile(src, tmp)
+            return
+        self.fs.put_file(src, dest)
+
+    def _pipe(self, dest: str, data: bytes) -> None:
+        if self._local():
+            _fs.write_bytes(Path(dest), data)
+            return
+        self.fs.pipe_file(dest, data)
 
     def _ensure_root(self) -> None:
         """A local or in-memory registry is created on first push; a missing bucket is an error, never created."""
@@ -200,8 +340,24 @@ class Registry:
                 )
 
     def _write_index(self) -> None:
-        data = {"format": 1, "updated": int(time.time()), "entries": [asdict(e) for e in self.entries()]}
-        self.fs.pipe_file(self._p(INDEX), json.dumps(data, indent=1, sort_keys=True).encode())
+        """Rewrite the index from the entries present. On a local directory under a file lock and atomically: a
+        reader never sees it half-written and concurrent pushers lose no entry (each rewrites from all entries
+        present, in turn). On an object store, where no conditional write exists, the last writer wins: ``ls`` and
+        ``pull`` read the entries themselves, so an index that missed a concurrent push hides nothing from them
+        (only http(s) registries read the index, and the next push rewrites it whole)."""
+        if not self._local():
+            self._pipe(self._p(INDEX), self._index_bytes())
+            return
+        with _lock.file_lock(Path(self._p(".index.lock")), what="registry index"):
+            self._pipe(self._p(INDEX), self._index_bytes())
+
+    def _index_bytes(self) -> bytes:
+        with warnings.catch_warnings():  # a malformed entry was warned of by whoever listed it
+            warnings.simplefilter("ignore", KernelpackWarning)
+            entries = [asdict(e) for e in self.entries()]
+        return json.dumps(
+            {"format": 1, "updated": int(time.time()), "entries": entries}, indent=1, sort_keys=True
+        ).encode()
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -241,6 +397,9 @@ def _here_keys(entries: list[Entry], device_index: int) -> dict[str, BuildKey]:
 # ------------------------------------------------------------------------------------------------ download cache
 
 
+log = logging.getLogger(__name__)
+
+
 def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
     """The entry's payload in the node-local download cache (``KERNELPACK_DOWNLOAD_DIR``), downloaded once per node:
     (path, downloaded_now).
@@ -251,19 +410,23 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
     cache = settings.download_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
+        _check_private(cache)
     except OSError as e:
         raise KernelpackError(
-            f"cannot create the download cache {cache}: {type(e).__name__}: {e}",
+            f"cannot use the download cache {cache}: {type(e).__name__}: {e}",
             hint="set KERNELPACK_DOWNLOAD_DIR to a writable directory",
         ) from None
-    final = cache / f"{entry.sha256}{art.SUFFIX}"
+    final = cache / f"{entry.sha256}{art.SUFFIX}"  # entry.sha256 is 64 hex digits (Entry.from_dict)
     with _lock.file_lock(cache / f"{entry.sha256}.lock", what="download"):
-        if final.is_file() and final.stat().st_size == entry.size:
-            return final, False
+        if final.is_file() and not final.is_symlink():
+            # reused only when it is the pinned artifact itself: its size is no proof
+            if final.stat().st_size == entry.size and _fs.sha256_file(final) == entry.sha256:
+                return final, False
+            log.warning("%s is not the artifact %s names; downloading it again", final, entry.path)
+            final.unlink()
         _fs.reap_dead(cache, f".{final.name}.")  # temp files of downloads killed on this node
         with _fs.atomic_path(final) as tmp:
-            registry.fetch(entry, tmp)
-            got = _fs.sha256_file(tmp)
+            got = registry.fetch(entry, tmp)
             if got != entry.sha256:
                 raise RegistryError(
                     registry.url,
@@ -271,6 +434,25 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
                     hint="the object changed or was corrupted in transit; push it again",
                 )
     return final, True
+
+
+def _check_private(cache: Path) -> None:
+    """The download cache holds code every worker will execute: refuse one that another user can write (a shared
+    /tmp path, say), where a file could be swapped after it was checked."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - Windows
+        return
+    st = cache.stat()
+    problem = ""
+    if st.st_uid != os.getuid():
+        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by other users (mode {oct(st.st_mode & 0o777)})"
+    if problem:
+        raise KernelpackError(
+            f"the download cache {cache} {problem}: another user could replace an artifact after it was verified",
+            hint="set KERNELPACK_DOWNLOAD_DIR to a directory only you can write (the default "
+            "~/.cache/kernelpack/downloads is), or chmod go-w it",
+        )
 
 
 # ------------------------------------------------------------------------------------------------ lock files

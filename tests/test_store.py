@@ -344,16 +344,18 @@ def test_bad_shard_and_storage_options(capsys: pytest.CaptureFixture[str], tmp_p
 
 
 def test_entry_round_trip() -> None:
-    from kernelpack.store import Entry
+    from kernelpack.keys import BuildKey
+    from kernelpack.store import Entry, key_id
 
+    key = BuildKey(**{f.name: "x" for f in dataclasses.fields(BuildKey)} | {"device_type": "cpu"})
     e = Entry(
         recipe="r",
         name="n.kpack",
-        path="r/k/n.kpack",
+        path=f"r/{key_id(key)}/n.kpack",
         sha256="0" * 64,
         size=1,
         created=2,
-        build_key={"a": "b"},
+        build_key=key.to_dict(),
         configs=3,
         devices=[0],
     )

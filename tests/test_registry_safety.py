@@ -1,0 +1,380 @@
+"""Reliability round 2 (issue 16): a pinned install that is really pinned, registries and artifacts that cannot make
+kernelpack write outside its target, bounded parsing and downloads, staging that survives PID namespaces, an index
+that concurrent pushers cannot lose. Each test is one class of the review's attacks on ecc4142."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import repack, tree_digest
+from test_reliability import _rewrite
+
+from kernelpack import _fs
+from kernelpack import artifact as art
+from kernelpack.cli import main
+from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
+from kernelpack.installer import install_artifact
+from kernelpack.store import Entry, Registry, key_id
+
+
+@pytest.fixture
+def downloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "downloads"
+    monkeypatch.setenv("KERNELPACK_DOWNLOAD_DIR", str(d))
+    return d
+
+
+def _crafted(smoke_artifact: Path, out: Path, edit: Any) -> Path:
+    """The smoke artifact with its manifest edited past kernelpack's own writer (a hostile artifact)."""
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(smoke_artifact.read_bytes()).read()
+    out.write_bytes(zstandard.ZstdCompressor(level=3).compress(_rewrite(raw, edit_manifest=edit)))
+    return out
+
+
+def _key(**over: str) -> dict:
+    from kernelpack.keys import BuildKey
+
+    fields = {f.name: "none" for f in dataclasses.fields(BuildKey)}
+    return {**fields, "torch_version": "2.13.0", "torch_git": "a" * 40, "device_type": "cpu", **over}
+
+
+# ------------------------------------------------------------------------------------------------ 1. the pin
+
+
+def test_a_pinned_pull_installs_only_the_pinned_bytes(
+    smoke_artifact: Path, tmp_path: Path, downloads: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another valid artifact of the same build, padded to the pinned size and placed under the pinned sha256's
+    name in the download dir, is not installed: reuse checks the sha256, and the pinned bytes are downloaded."""
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    lock = tmp_path / "k.lock"
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
+    pinned = json.loads(lock.read_text())["artifacts"][0]["sha256"]
+    other = repack(smoke_artifact, tmp_path / "other.kpack", tmp_path / "w", drop=lambda rel: rel.endswith(".json"))
+    planted = other.read_bytes()
+    assert len(planted) <= smoke_artifact.stat().st_size
+    downloads.mkdir()
+    (downloads / f"{pinned}{art.SUFFIX}").write_bytes(planted.ljust(smoke_artifact.stat().st_size, b"\0"))
+    cache = tmp_path / "cache"
+    assert (
+        main(["pull", str(reg), "--recipe", recipe, "--lock", str(lock), "--install", "--cache-dir", str(cache)]) == 0
+    )
+    assert _fs.sha256_file(downloads / f"{pinned}{art.SUFFIX}") == pinned
+    assert [p.stem for p in (cache / ".kernelpack" / "installed").iterdir()] == [pinned]
+
+
+def test_a_download_dir_another_user_can_write_is_refused(
+    smoke_artifact: Path, tmp_path: Path, downloads: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    downloads.mkdir()
+    downloads.chmod(0o777)
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    assert main(["pull", str(reg), "--recipe", recipe]) == 1
+    err = capsys.readouterr().err
+    assert "is writable by other users (mode 0o777)" in err and "Traceback" not in err
+    assert not list(downloads.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ 2, 7. entries
+
+
+BAD_ENTRIES = {
+    "sha256 as a path": {"sha256": "/../../../../x/made/by/victim"},
+    "path outside": {"path": "../../escape/a.kpack"},
+    "name with a separator": {"name": "../a.kpack"},
+    "created as text": {"created": "yesterday"},
+    "created in 1e20": {"created": 10**20},
+    "empty build key": {"build_key": {}},
+    "build key naming a path": {"build_key": _key(torch_git="../../x")},
+    "size as text": {"size": "12"},
+    "escape in the name": {"name": "\x1b[31mred.kpack"},
+}
+
+
+@pytest.mark.parametrize("edit", BAD_ENTRIES.values(), ids=BAD_ENTRIES.keys())
+def test_a_malformed_entry_is_skipped_named_and_never_used_as_a_path(
+    smoke_artifact: Path, tmp_path: Path, downloads: Path, edit: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Beside a good entry, a bad one (of the same recipe, and a truncated one of another) is skipped with a
+    warning naming it; `ls` and `pull` work, write nothing outside the download dir, print no traceback."""
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    (good,) = reg.glob(f"*/*/*{art.SUFFIX}.json")
+    bad = {**json.loads(good.read_text()), **edit}
+    (good.parent / f"zz{art.SUFFIX}.json").write_text(json.dumps(bad))
+    other = reg / "other-recipe" / "k"
+    other.mkdir(parents=True)
+    (other / f"x{art.SUFFIX}.json").write_text(good.read_text()[:40])  # truncated
+    before = tree_digest(tmp_path.parent)
+    with pytest.warns(KernelpackWarning, match="skipped 2 malformed entries"):
+        entries = Registry(str(reg)).entries()
+    assert [e.path for e in entries] == [str(good.relative_to(reg))[: -len(".json")]]
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    assert main(["ls", str(reg)]) == 0
+    assert main(["pull", str(reg), "--recipe", recipe]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "\x1b" not in out.out + out.err
+    assert tree_digest(tmp_path.parent) != before  # the download happened ...
+    assert not Path("/x/made").exists() and not (tmp_path.parent / "escape").exists()  # ... nowhere else
+
+
+# ------------------------------------------------------------------------------------------------ 3. push, merge
+
+HOSTILE = {
+    "recipe name ../../escaped": lambda m: m["recipe"].update(name="../../escaped"),
+    "absolute recipe name": lambda m: m["recipe"].update(name="/tmp/escaped"),
+    "torch_git ../../x": lambda m: m["build_key"].update(torch_git="../../escaped"),
+    "device_type ../x": lambda m: m["build_key"].update(device_type="../escaped"),
+    "torch_version a/b": lambda m: m["build_key"].update(torch_version="2.13/../../escaped"),
+}
+
+
+@pytest.mark.parametrize("edit", HOSTILE.values(), ids=HOSTILE.keys())
+def test_push_and_merge_refuse_an_artifact_whose_names_leave_the_target(
+    smoke_artifact: Path, tmp_path: Path, edit: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "in").mkdir()
+    hostile = _crafted(smoke_artifact, tmp_path / "in" / "hostile.kpack", edit)
+    work = tmp_path / "a" / "b"
+    work.mkdir(parents=True)
+    before = tree_digest(tmp_path)
+    assert main(["push", str(hostile), str(work / "reg")]) == 1
+    assert main(["merge", str(hostile), str(smoke_artifact), "-o", str(work / "out")]) == 1
+    assert main(["inspect", str(hostile)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "manifest.json is malformed" in err, err
+    assert tree_digest(tmp_path) == before and not Path("/tmp/escaped").exists()
+
+
+# ------------------------------------------------------------------------------------------------ 4. parse bombs
+
+
+@pytest.mark.parametrize("paths, depth", [(250, 2000), (art.MAX_FILES + 1, 3)], ids=["deep paths", "many files"])
+def test_a_manifest_parse_bomb_is_refused_in_bounded_time_and_memory(
+    smoke_artifact: Path, tmp_path: Path, paths: int, depth: int
+) -> None:
+    """250 paths of 2,000 components (ecc4142: MemoryError), or more files than any build makes: refused at once."""
+    nested = "/".join(["a"] * depth)
+
+    def bomb(m: dict) -> None:
+        m["files"] = [{"path": f"fxgraph/{i}/{nested}", "size": 0, "sha256": "0" * 64} for i in range(paths)]
+
+    bad = _crafted(smoke_artifact, tmp_path / "bomb.kpack", bomb)
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(ArtifactError) as e:
+        art.read_manifest(bad)
+    seconds = time.perf_counter() - start
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert "too long or too deep" in str(e.value) or "over the limit" in str(e.value), str(e.value)
+    assert seconds < 5 and peak < 256 << 20, (seconds, peak)
+
+
+# ------------------------------------------------------------------------------------------------ 5, 11. staging
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("HOLDING", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_live_installers_staging_dir_is_not_reaped_from_another_pid_namespace(tmp_path: Path) -> None:
+    """A staging dir whose name carries a pid that is dead here (another PID namespace, same hostname) but whose
+    owner flock a live process holds is left alone; once that process dies, it is reaped."""
+    prefix = ".kernelpack-tmp-"
+    stage = tmp_path / f"{prefix}{_fs.owner_tag().split('-')[0]}-{_dead_pid()}-x"
+    stage.mkdir()
+    (stage / _fs.OWNER_FILE).write_text("")
+    (stage / "0").write_bytes(b"staged")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(stage / _fs.OWNER_FILE)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"HOLDING"
+        _fs.reap_dead(tmp_path, prefix)
+        assert (stage / "0").read_bytes() == b"staged"
+    finally:
+        holder.kill()
+        holder.wait()
+    _fs.reap_dead(tmp_path, prefix)
+    assert not stage.exists()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_a_no_op_install_reaps_a_killed_installers_staging_dir(smoke_artifact: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    install_artifact(smoke_artifact, cache)
+    stale = cache / f".kernelpack-tmp-{_fs.owner_tag().split('-')[0]}-{_dead_pid()}-x"
+    stale.mkdir()
+    assert install_artifact(smoke_artifact, cache).noop and not stale.exists()
+
+
+# ------------------------------------------------------------------------------------------------ 6. the index
+
+PUSH = "import sys; from kernelpack.cli import main; sys.exit(main(['push', sys.argv[1], sys.argv[2]]))"
+
+
+def test_concurrent_pushes_into_a_directory_registry_lose_nothing(smoke_artifact: Path, tmp_path: Path) -> None:
+    """8 pushes of different builds at once, while a reader reads index.json in a loop: every push succeeds, every
+    read parses, and the index ends listing all 8."""
+    builds = [
+        repack(
+            smoke_artifact,
+            tmp_path / f"b{i}" / smoke_artifact.name,
+            tmp_path / f"w{i}",
+            build_key=_key(torch_git=f"{i:x}" * 40),
+        )
+        for i in range(8)
+    ]
+    reg = tmp_path / "reg"
+    assert main(["push", str(builds[0]), str(reg)]) == 0
+    pushers = [subprocess.Popen([sys.executable, "-c", PUSH, str(b), str(reg)]) for b in builds[1:]]
+    reads = bad = 0
+    while any(p.poll() is None for p in pushers):
+        try:
+            entries = json.loads((reg / "index.json").read_text())["entries"]
+            bad += not entries
+        except ValueError:
+            bad += 1
+        reads += 1
+    assert [p.returncode for p in pushers] == [0] * 7
+    assert reads > 0 and bad == 0, (reads, bad)
+    listed = json.loads((reg / "index.json").read_text())["entries"]
+    assert len(listed) == 8 and len(Registry(str(reg)).entries()) == 8
+
+
+# ------------------------------------------------------------------------------------------------ 8, 9, 10
+
+
+def test_a_gpu_artifact_on_cpu_torch_is_refused_field_by_field(smoke_artifact: Path, tmp_path: Path) -> None:
+    gpu = repack(
+        smoke_artifact,
+        tmp_path / "gpu.kpack",
+        tmp_path / "w",
+        build_key=_key(device_type="cuda", gpu_name="NVIDIA H200", capability="9.0", torch_git="b" * 40),
+    )
+    with pytest.raises(KeyMismatchError) as e:
+        install_artifact(gpu, tmp_path / "cache")
+    assert "gpu_name" in str(e.value) and "NVIDIA H200" in str(e.value)
+    with pytest.warns(KernelpackWarning, match="--allow-mismatch"):
+        assert install_artifact(gpu, tmp_path / "cache", allow_mismatch=True).written > 0
+
+
+def test_a_payload_longer_than_published_is_cut_off(smoke_artifact: Path, tmp_path: Path, downloads: Path) -> None:
+    from kernelpack.errors import RegistryError
+    from kernelpack.store import download
+
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    (entry,) = Registry(str(reg)).entries()
+    with open(reg / entry.path, "ab") as f:
+        f.write(b"\0" * (8 << 20))
+    with pytest.raises(RegistryError, match="longer than the"):
+        download(Registry(str(reg)), entry)
+    assert not list(downloads.glob(f"*{art.SUFFIX}")) and not list(downloads.glob("*.tmp"))
+
+
+def test_push_repairs_an_entry_whose_payload_is_gone(smoke_artifact: Path, tmp_path: Path) -> None:
+    reg = Registry(str(tmp_path / "reg"))
+    entry, status = reg.push(smoke_artifact)
+    assert status == "pushed"
+    (tmp_path / "reg" / entry.path).unlink()
+    assert reg.push(smoke_artifact)[1] == "repaired"
+    assert _fs.sha256_file(tmp_path / "reg" / entry.path) == entry.sha256
+    assert reg.push(smoke_artifact)[1] == "unchanged"
+
+
+# ------------------------------------------------------------------------------------------------ 12-16
+
+
+def test_symlinks_inside_the_target_are_not_followed_and_nothing_changes(smoke_artifact: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    for link in ("fxgraph", ".kernelpack"):
+        cache = tmp_path / f"cache-{link}"
+        cache.mkdir()
+        (cache / link).symlink_to(elsewhere, target_is_directory=True)
+        elsewhere.mkdir()
+        before = tree_digest(cache), tree_digest(elsewhere)
+        with pytest.raises(InstallError):
+            install_artifact(smoke_artifact, cache)
+        assert (tree_digest(cache), tree_digest(elsewhere)) == before, link
+        shutil.rmtree(elsewhere)
+
+
+def test_a_marker_that_cannot_be_written_fails_before_any_file_is_committed(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / ".kernelpack").write_text("a file where the markers go")
+    before = tree_digest(cache)
+    with pytest.raises(InstallError, match="not a directory"):
+        install_artifact(smoke_artifact, cache)
+    assert tree_digest(cache) == before
+
+
+def test_no_traceback_reaches_the_terminal(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bad settings and bad places, each an error: line and exit 1."""
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    cases = [
+        (["install", str(smoke_artifact), "--cache-dir", ""], {}),
+        (["install", str(smoke_artifact), "--cache-dir", str(loop / "x")], {}),
+        (["install", str(smoke_artifact)], {"KERNELPACK_LOCK_TIMEOUT": "soon"}),
+        (["install", str(smoke_artifact)], {"TORCHINDUCTOR_CACHE_DIR": str(a_file)}),
+        (["pull", str(reg), "--recipe", recipe], {"KERNELPACK_DOWNLOAD_DIR": str(a_file)}),
+        (["pull", str(reg), "--recipe", recipe], {"KERNELPACK_DOWNLOAD_DIR": "", "XDG_CACHE_HOME": str(a_file)}),
+    ]
+    for argv, env in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert main(argv) == 1, (argv, env)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, (argv, env, err)
+
+
+def test_terminal_escapes_in_a_manifest_are_shown_escaped(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    red = _crafted(smoke_artifact, tmp_path / "red.kpack", lambda m: m["build_key"].update(gpu_name="\x1b[31mRED"))
+    assert main(["inspect", str(red)]) == 0
+    out = capsys.readouterr().out
+    assert "\\x1b[31mRED" in out and "\x1b" not in out
+
+
+def test_entry_paths_are_the_ones_push_writes(smoke_artifact: Path, tmp_path: Path) -> None:
+    reg = Registry(str(tmp_path / "reg"))
+    entry, _ = reg.push(smoke_artifact)
+    assert entry.path == f"{entry.recipe}/{key_id(entry.key)}/{entry.name}"
+    assert Entry.from_dict(dataclasses.asdict(entry)) == entry
