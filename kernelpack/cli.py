@@ -362,7 +362,7 @@ def _factory_pairs(pairs: tuple[str, ...], option: str) -> dict[str, str]:
     return table
 
 
-@commands.command(name="record", context_settings={"ignore_unknown_options": True})
+@commands.command(name="record", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--out", required=True, help="The recipe to write (TOML).")
 @click.option("--name", default=None, help="The recipe's name (default: the file's stem).")
 @click.option(

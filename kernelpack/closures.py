@@ -23,6 +23,7 @@ one: its values are data, not code; a mask over a tensor needs a factory (:func:
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import types
 from collections.abc import Callable
@@ -40,9 +41,20 @@ class NotRebuildable(KernelpackError):
 def describe(fn: Any, kind: str = "mask") -> dict[str, Any]:
     """The reference of ``fn``; raises :class:`NotRebuildable` when there is none, or when rebuilding it would not
     give the same function (checked: same code object, same closure values)."""
+    from .signature import mask_key
+
     ref = _describe(fn, kind, 0)
-    rebuilt = rebuild(ref)
-    if not same_function(fn, rebuilt):
+    try:
+        try:
+            rebuilt = rebuild(ref)
+        except _Ambiguous:  # two nested functions of one name (if/else, two lambdas): the line tells them apart
+            ref["line"] = fn.__code__.co_firstlineno
+            rebuilt = rebuild(ref)
+    except KernelpackError as e:  # a decorated factory, two functions of one name, ...: say what to write instead
+        raise NotRebuildable(
+            f"{_name(fn)} cannot be made again from {ref['function']}: {e.message}", hint=_factory_hint(kind, fn)
+        ) from None
+    if not same_function(fn, rebuilt) or mask_key(rebuilt) != mask_key(fn):
         raise NotRebuildable(
             f"{_name(fn)}: rebuilt from {ref['function']} it is not the same function",
             hint=_factory_hint(kind, fn),
@@ -81,6 +93,11 @@ def rebuild(ref: dict[str, Any]) -> Callable[..., Any]:
     """The function a reference names. Raises :class:`KernelpackError` naming the reference when it cannot be
     made here (the module is not importable, the function is gone, a closure variable is missing)."""
     return _rebuild(ref, 0)  # type: ignore[no-any-return]
+
+
+class _Ambiguous(KernelpackError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, hint="record again, or write a factory")
 
 
 def same_function(a: Any, b: Any, depth: int = 0) -> bool:
@@ -151,7 +168,12 @@ def _describe(fn: Any, kind: str, depth: int) -> dict[str, Any]:
         raise NotRebuildable(f"{_name(fn)}: its module does not import: {e}", hint=_factory_hint(kind, fn)) from e
     if fn.__globals__ is not vars(defining):
         raise NotRebuildable(f"{_name(fn)} was not made by its module's code (exec?)", hint=_factory_hint(kind, fn))
-    ref: dict[str, Any] = {"function": f"{module}:{fn.__qualname__}"}
+    # where the code is (co_qualname, 3.11+: a functools.wraps copy does not change it), and the name the job's
+    # function carries (it enters the mask key) when that differs
+    location = getattr(fn.__code__, "co_qualname", fn.__qualname__)
+    ref: dict[str, Any] = {"function": f"{module}:{location}"}
+    if fn.__qualname__ != location:
+        ref["qualname"] = fn.__qualname__
     if closure:
         ref["closure"] = closure
     if fn.__defaults__:
@@ -189,10 +211,14 @@ def _value(v: Any, fn: Any, name: str, kind: str, depth: int) -> Any:
 
 
 def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None = None) -> str:
-    """The factory the user writes instead, as a template for ``fn``."""
-    short = getattr(fn, "__name__", kind)
+    """The factory the user writes instead, as a template for ``fn``. The factory must return the job's very
+    function (same code, same qualname: both enter the mask key), so it calls the code that makes it."""
+    qualname = str(getattr(fn, "__qualname__", "") or "")
+    module = getattr(fn, "__module__", None)
+    outer = qualname.split(".<locals>.")[0] if ".<locals>." in qualname else None
+    short = str(outer or getattr(fn, "__name__", None) or kind).replace(".", "_")
     short = short if short.isidentifier() else kind
-    args = "b, h, q_idx, kv_idx" if kind == "mask" else "score, b, h, q_idx, kv_idx"
+    option = f"--{'mask' if kind == 'mask' else 'score'}-factory"
     example = ""
     if tensor is not None:
         name, shape, dtype = tensor
@@ -201,14 +227,18 @@ def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None
             f"(config.q_len, config.kv_len, config.batch, ...)\n        {name} = torch.zeros({tuple(shape)}, "
             f"dtype={dtype}, device=config.device)"
         )
-    qualname = getattr(fn, "__qualname__", None)
-    option = f"--{'mask' if kind == 'mask' else 'score'}-factory"
+    if outer is not None and module not in (None, "__main__", "__mp_main__"):
+        body = f"    from {module} import {outer.split('.')[0]}  # what makes your {kind}, as your job calls it\n\n"
+        body += f"    def make_{short}(config):{example}\n        return {outer}(...)  # as your job calls it\n"
+    else:
+        moved = (
+            f" (first move {qualname or 'it'} out of the script you run into a module)" if module == "__main__" else ""
+        )
+        body = f"    def make_{short}(config):{example}\n        ...  # return your {kind} function itself{moved}\n"
     return (
         f"write a factory that kernelpack calls with each recipe point (kernelpack.recipe.Config) and that returns "
-        f"the {kind} function, in a module the builder can import:\n\n"
-        f"    # my_masks.py\n    import torch\n\n    def make_{short}(config):{example}\n"
-        f"        def {short}({args}):\n            ...  # the same code as {_name(fn) if fn else 'yours'}\n"
-        f"        return {short}\n\n"
+        f"your very {kind} function (the same code and name: both enter its key), in a module the builder can "
+        f"import:\n\n    # my_masks.py\n    import torch\n{body}\n"
         f"then record again with {option} '{qualname or 'QUALNAME'}=my_masks:make_{short}' (or write "
         f'{"mask" if kind == "mask" else "score_mod"} = "my_masks:make_{short}" in the recipe)'
     )
@@ -245,10 +275,14 @@ def _rebuild(ref: Any, depth: int) -> Any:
         if part == "<locals>":
             if i + 1 >= len(parts):
                 break
-            outer = code if code is not None else getattr(obj, "__code__", None)
+            outer = code if code is not None else getattr(inspect.unwrap(obj), "__code__", None)
             if outer is None:
                 raise KernelpackError(f"function {spec!r}: {'.'.join(parts[:i])} is not a function", hint="")
             found = [c for c in outer.co_consts if isinstance(c, types.CodeType) and c.co_name == parts[i + 1]]
+            if len(found) > 1 and i + 2 == len(parts) and "line" in ref:  # siblings of one name: by first line
+                found = [c for c in found if c.co_firstlineno == ref["line"]]
+            if len(found) > 1:
+                raise _Ambiguous(f"function {spec!r}: {len(found)} functions named {parts[i + 1]!r} in {outer.co_name}")
             if len(found) != 1:
                 raise KernelpackError(
                     f"function {spec!r}: {len(found)} functions named {parts[i + 1]!r} in {outer.co_name}",
@@ -257,8 +291,13 @@ def _rebuild(ref: Any, depth: int) -> Any:
             code, obj = found[0], None
             i += 2
             continue
-        if code is not None:
-            raise KernelpackError(f"function {spec!r}: {part!r} inside a function's locals", hint="write a factory")
+        if code is not None:  # a comprehension's code (Python < 3.12) and the like: a constant of the enclosing code
+            found = [c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == part]
+            if len(found) != 1:
+                raise KernelpackError(f"function {spec!r}: {len(found)} {part!r} in {code.co_name}", hint="")
+            code = found[0]
+            i += 1
+            continue
         try:
             obj = getattr(obj, part)
         except AttributeError:
@@ -292,7 +331,7 @@ def _rebuild(ref: Any, depth: int) -> Any:
         tuple(_rebuild_value(v, depth) for v in defaults) if defaults else None,
         cells or None,
     )
-    fn.__qualname__ = qualname
+    fn.__qualname__ = ref.get("qualname", qualname)
     if ref.get("kwdefaults"):
         fn.__kwdefaults__ = {k: _rebuild_value(v, depth) for k, v in ref["kwdefaults"].items()}
     return fn

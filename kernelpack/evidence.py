@@ -300,13 +300,15 @@ compile_detection = "not installed"  # how compiles are seen: verify and the rep
 
 def watch_compiles(on_record: OnRecord | None = None, on_start: OnStart | None = None) -> None:
     """Record every compile from now on (idempotent), and route each to ``on_record`` / ``on_start`` (replacing
-    earlier ones). The records come from ``CompilationMetrics.create``, which torch calls in the compiling thread
-    once per compile, concurrent compiles included; Dynamo's compile-start callback gives ``on_start`` the frame about
-    to be compiled, but torch runs it only for the first of compiles in flight at once (its pending counter is
-    process-wide), so a refusal there is best effort."""
+    earlier ones; None keeps the one in place). The records come from ``CompilationMetrics.create``, which torch
+    calls in the compiling thread once per compile, concurrent compiles included; Dynamo's compile-start callback
+    gives ``on_start`` the frame about to be compiled, but torch runs it only for the first of compiles in flight at
+    once (its pending counter is process-wide), so a refusal there is best effort."""
     global _on_record, _on_start, compile_detection
     with _lock:
-        _on_record, _on_start = on_record, on_start
+        # a caller that only wants the records (a benchmark, verify) must not unhook the runtime's callbacks
+        _on_record = on_record if on_record is not None else _on_record
+        _on_start = on_start if on_start is not None else _on_start
         if compile_detection != "not installed":
             return
         compile_detection = _hook_compiles()

@@ -55,6 +55,7 @@ again by :mod:`kernelpack.closures` with those closure values; a string is a bui
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -142,7 +143,7 @@ _CALLS_KEYS = (
     *_COMPILE_KEYS,
     *_CALL_KEYS,
 )
-_REF_KEYS = ("function", "closure", "defaults", "kwdefaults")
+_REF_KEYS = ("function", "closure", "defaults", "kwdefaults", "qualname", "line")
 SCORE_MODS = ("none", "identity")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
@@ -199,6 +200,11 @@ class Config(CallParams):
 
     def __post_init__(self) -> None:
         CallParams.__post_init__(self)  # not super(): zero-argument super() breaks in slots dataclasses
+        for name in ("mask_closure", "score_closure"):  # one spelling per value: the id hashes it
+            value = getattr(self, name)
+            if isinstance(value, str):
+                with contextlib.suppress(ValueError, TypeError):
+                    object.__setattr__(self, name, _canonical_json(json.loads(value)))
         _validate(self)
 
     @property
@@ -606,7 +612,12 @@ def _function_or_name(path: str, key: str, value: object) -> tuple[Any, str | No
         _table(path, f"{key}.{part}", value.get(part, {}))
     if "defaults" in value and not isinstance(value["defaults"], list):
         raise RecipeError(path, f"{key}.defaults", "must be a list", value=value["defaults"])
-    return function, closures.closure_json(value)
+    try:
+        return function, closures.closure_json(value)
+    except (TypeError, ValueError) as e:  # a TOML date or time: not a value a function reference holds
+        raise RecipeError(
+            path, key, f"holds a value a function reference cannot: {e}", allowed="numbers, strings, booleans, tables"
+        ) from None
 
 
 def _calls(path: str, items: object, device: str) -> list[Config]:

@@ -42,7 +42,7 @@ from typing import Any
 
 from . import closures, evidence, runtime, settings
 from ._fs import write_bytes
-from .errors import ConfigError, KernelpackError, RecipeError
+from .errors import ConfigError, KernelpackError, RecipeError, printable
 from .recipe import Config, check_name, parse_recipe
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
 
@@ -106,7 +106,19 @@ class Recorder:
             if sig in self._seen:
                 return stand_in
             self._seen.add(sig)
-        self._add(_event(sig, arguments, path, evidence.user_site(), self.factories))
+        try:
+            event = _event(sig, arguments, path, evidence.user_site(), self.factories)
+        except Exception as e:  # record must neither break the job nor lose a call without saying so
+            event = {
+                "problem": {
+                    "call_signature": sig.describe(),
+                    "path": path,
+                    "site": evidence.user_site(),
+                    "reason": f"kernelpack could not record this call: {type(e).__name__}: {e}",
+                    "hint": "run with KERNELPACK_DEBUG=1 for the traceback, and report it",
+                }
+            }
+        self._add(event)
         if path == "torch.compile(flex_attention)":
             self._automatic_dynamic(sig)
         return stand_in
@@ -188,17 +200,27 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class _KernelpackRecordAfterTorch(importlib.abc.MetaPathFinder):
+    # Stays on sys.meta_path until torch has really run: importlib.util.find_spec("torch") (transformers'
+    # is_torch_available, for one) asks the finders too, and its spec is never executed.
+    busy = False
+
     def find_spec(self, name, path=None, target=None):
-        if name != "torch":
+        if name != "torch" or self.busy:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
+        self.busy = True
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self.busy = False
         if spec is None or spec.loader is None:
             return spec
         exec_module = spec.loader.exec_module
+        finder = self
 
         def exec_then_record(module):
             exec_module(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
             try:
                 from kernelpack.record import start_from_env
 
@@ -247,6 +269,9 @@ def record_command(
             f"-o {target}: {'is a directory' if target.is_dir() else 'its directory does not exist'}",
             hint="pass -o a file path in an existing directory, e.g. -o recipes/my-job.toml",
         )
+    problem = check_name(name or _stem_name(target))
+    if problem:  # before the job runs
+        raise RecordError(f"recipe name {name or _stem_name(target)!r} {problem}", hint="pass --name")
     factories = factories or Factories()
     with tempfile.TemporaryDirectory(prefix="kernelpack-record-") as tmp:
         site, calls = Path(tmp, "site"), Path(tmp, "calls")
@@ -318,10 +343,13 @@ def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: st
         )
     except closures.NotRebuildable as e:
         return {"problem": {**where, "reason": e.message, "hint": e.hint}}
-    except ConfigError as e:
-        return {"problem": {**where, "reason": f"a recipe cannot declare this call: {e}", "hint": _CONFIG_HINT}}
     except _Unrecordable as e:
         return {"problem": {**where, "reason": str(e), "hint": e.hint}}
+    except ConfigError as e:
+        return {"problem": {**where, "reason": f"a recipe cannot declare this call: {e}", "hint": _CONFIG_HINT}}
+    problem = _check_factories(config, sig, arguments)
+    if problem is not None:
+        return {"problem": {**where, **problem}}
     return {"call": {**where, "config": config.to_dict(), "device_index": sig.device_index}}
 
 
@@ -332,6 +360,32 @@ class _Unrecordable(Exception):
     def __init__(self, reason: str, hint: str) -> None:
         super().__init__(reason)
         self.hint = hint
+
+
+def _check_factories(config: Config, sig: CallSignature, arguments: Mapping[str, Any]) -> dict[str, str] | None:
+    """A factory the user named must make the job's very function: its key (code, closure, qualname) equal to the
+    call's, or the artifact would never cover the call."""
+    from .masks import mask_for, score_mod_for
+    from .signature import mask_key, score_mod_key
+
+    checks = []
+    if config.mask_closure is None and config.mask not in ("sliding_window", "sliding_window_bidirectional"):
+        checks.append(("mask", config.mask, lambda: mask_key(mask_for(config)), sig.mask))
+    if config.score_closure is None and config.score_mod not in ("none", "identity"):
+        checks.append(("score_mod", config.score_mod, lambda: score_mod_key(score_mod_for(config)), sig.score_mod))
+    for what, factory, made, wanted in checks:
+        try:
+            got = made()
+        except KernelpackError as e:
+            return {"reason": f"the {what} factory {factory} failed for this call: {e.message}", "hint": e.hint or ""}
+        if got != wanted:
+            return {
+                "reason": f"the {what} factory {factory} makes {got}, but the job's {what} is {wanted}: the artifact "
+                "would never cover this call",
+                "hint": "the factory must return the job's very function (the same code and the same name): call "
+                "the function your job makes it with",
+            }
+    return None
 
 
 def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None, int | None]:
@@ -404,9 +458,13 @@ def _zeros_fn() -> Any:
             @staticmethod
             def forward(ctx: Any, q: Any, k: Any, v: Any) -> Any:
                 ctx.inputs = [(t.shape, t.dtype, t.device) for t in (q, k, v)]
-                b, h, s, d = q.shape
-                # flex's output has the query's memory layout (a transposed view stays one)
-                out = torch.zeros_like(q) if v.shape[-1] == d else q.new_zeros((b, h, s, v.shape[-1]))
+                b, h, s, _ = q.shape
+                # flex's output has the query's memory layout: a transposed view ([B, S, H, D] seen as [B, H, S, D])
+                # stays one, with the value's head dim
+                if q.dim() == 4 and q.stride(1) < q.stride(2) and q.transpose(1, 2).is_contiguous():
+                    out = q.new_zeros((b, s, h, v.shape[-1])).transpose(1, 2)
+                else:
+                    out = q.new_zeros((b, h, s, v.shape[-1]))
                 lse = q.new_zeros((b, h, s), dtype=torch.float32)
                 return out, lse, lse.clone()
 
@@ -466,8 +524,8 @@ def recipe_text(
     indices = sorted({i for entry in entries.values() for i in entry["devices"]})
     notes = [e["note"] for e in events if "note" in e]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    out = [f"# Recorded by kernelpack record from {source} on {now}."]
-    out += [f"# note: {n}" for n in notes]
+    out = [_comment(f"# Recorded by kernelpack record from {source} on {now}.")]
+    out += [_comment(f"# note: {n}") for n in notes]
     if indices and indices != [0]:
         out.append(f"# CUDA device indices seen: {indices}: build with --devices {','.join(map(str, indices))}")
     out += [f"name = {_toml(name)}"]
@@ -478,7 +536,7 @@ def recipe_text(
     for entry in sorted(entries.values(), key=lambda x: json.dumps(x["config"], sort_keys=True)):
         config = Config.from_dict({**entry["config"], "graphs": sorted(entry["graphs"], key=GRAPHS.index)})
         configs.append(config)
-        out += [f"# {config.describe()}", *(f"# seen: {s}" for s in sorted(entry["seen"]))]
+        out += [_comment(f"# {config.describe()}"), *(_comment(f"# seen: {s}") for s in sorted(entry["seen"]))]
         if entry["devices"] and sorted(entry["devices"]) != [0]:
             out.append(f"# device indices: {sorted(entry['devices'])}")
         out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in _call_table(config).items()), ""]
@@ -495,13 +553,16 @@ def write_recipe(
 ) -> Path:
     """:func:`recipe_text` written atomically to ``path`` (name: the file's stem by default)."""
     target = Path(path)
-    stem = re.sub(r"[^A-Za-z0-9_.-]", "-", target.stem).lstrip(".") or "recorded"
-    text = recipe_text(events, name=name or stem, source=source)
+    text = recipe_text(events, name=name or _stem_name(target), source=source)
     try:
         write_bytes(target, text.encode())
     except OSError as e:
         raise RecordError(f"cannot write {target}: {e}", hint="pass -o a path in a writable directory") from e
     return target
+
+
+def _stem_name(target: Path) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", target.stem).lstrip(".") or "recorded"
 
 
 def _call_table(config: Config) -> dict[str, Any]:
@@ -544,17 +605,30 @@ def _call_table(config: Config) -> dict[str, Any]:
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
+def _toml_char(c: str) -> str:
+    if c in '"\\':
+        return "\\" + c
+    if c.isprintable():
+        return c  # the file is UTF-8
+    return f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
+
+
+def _comment(text: str) -> str:
+    """Text that goes on one TOML comment line: no newline, no control character."""
+    return printable(text).replace("\n", " ")
+
+
 def _toml(value: Any) -> str:
     """A TOML value (inline tables for dicts)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a TOML basic string
+    if isinstance(value, str):  # a TOML basic string: quote, backslash and control characters escaped
+        return '"' + "".join(map(_toml_char, value)) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(map(_toml, value)) + "]"
     if isinstance(value, dict):
-        items = (f"{k if _BARE_KEY.fullmatch(k) else json.dumps(k)} = {_toml(v)}" for k, v in value.items())
+        items = (f"{k if _BARE_KEY.fullmatch(k) else _toml(k)} = {_toml(v)}" for k, v in value.items())
         return "{ " + ", ".join(items) + " }" if value else "{}"
     raise RecipeError("<recorded recipe>", "?", f"cannot write {type(value).__name__} as TOML", value=value)

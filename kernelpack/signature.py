@@ -293,6 +293,12 @@ def _function_digest(fn: Any, depth: int) -> str:
         except ValueError:  # an empty cell
             value = None
         h.update(_value_digest(value, depth).encode())
+    # defaults are values the code reads (``def m(b, h, q, kv, w=w)``, the late-binding idiom); only when set, so
+    # that the keys of functions without them stay as they were
+    for extra in (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None)):
+        if extra:
+            items = sorted(extra.items()) if isinstance(extra, dict) else extra
+            h.update(b"defaults" + _value_digest(tuple(items), depth).encode())
     return h.hexdigest()
 
 
@@ -303,6 +309,8 @@ def _value_digest(value: Any, depth: int) -> str:
         return _function_digest(value, depth + 1)
     if isinstance(value, (tuple, list)) and depth < 4:  # transformers' and_masks(*mask_functions)
         return "(" + ",".join(_value_digest(v, depth + 1) for v in value) + ")"
+    if type(value).__name__ == "dtype":  # torch.bfloat16 and torch.float32 compute differently
+        return repr(value)
     return type(value).__name__
 
 

@@ -46,6 +46,32 @@ def test_a_mask_is_named_by_reference_and_made_again_the_same(make: Any) -> None
     assert "64" in closures.label(ref)
 
 
+MADE = {
+    "lru_cache factory": lambda: user_model.cached_window(64),
+    "decorated mask": lambda: user_model.decorated_window(64),
+    "sibling 1 of one name": lambda: user_model.causal_or_window(True, 64),
+    "sibling 2 of one name": lambda: user_model.causal_or_window(False, 64),
+    "comprehension lambda": lambda: user_model.comprehension_windows((32, 64))[1],
+    "dtype in the closure": lambda: user_model.typed_window(64, __import__("torch").bfloat16),
+}
+
+
+@pytest.mark.parametrize("make", MADE.values(), ids=MADE.keys())
+def test_masks_as_real_code_makes_them_are_made_again_with_their_key(make: Any) -> None:
+    fn = make()
+    again = closures.rebuild(json.loads(json.dumps(closures.describe(fn))))
+    assert mask_key(again) == mask_key(fn) and mod_graph(again, "mask") == mod_graph(fn, "mask")
+
+
+def test_values_that_differ_give_masks_that_differ() -> None:
+    """The late-binding default (w=w) and a closed-over dtype enter the mask key: two windows are two calls."""
+    import torch
+
+    first, second = user_model.comprehension_windows((32, 64))
+    assert mask_key(first) != mask_key(second)
+    assert mask_key(user_model.typed_window(64, torch.float32)) != mask_key(user_model.typed_window(64, torch.int64))
+
+
 def test_what_cannot_be_named_says_what_to_write_instead() -> None:
     import torch
 
@@ -53,8 +79,9 @@ def test_what_cannot_be_named_says_what_to_write_instead() -> None:
         closures.describe(user_model.documents(torch.arange(256) // 100))
     assert "closes over doc_ids, a tensor (256 int64)" in tensor.value.message
     hint = tensor.value.hint or ""
-    assert "doc_ids = torch.zeros((256,), dtype=torch.int64" in hint and "def make_same_document(config)" in hint
-    assert "--mask-factory 'documents.<locals>.same_document=my_masks:make_same_document'" in hint
+    assert "doc_ids = torch.zeros((256,), dtype=torch.int64" in hint and "def make_documents(config)" in hint
+    assert "from user_model import documents" in hint
+    assert "--mask-factory 'documents.<locals>.same_document=my_masks:make_documents'" in hint
 
     script: dict[str, Any] = {"__name__": "__main__"}
     exec("def causal(b, h, q, kv):\n    return q >= kv\n", script)
@@ -259,5 +286,99 @@ def test_record_fails_before_the_job_and_writes_nothing_when_it_cannot_write(
     assert "exited with status 3: no recipe written" in capsys.readouterr().err
     assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "train.py", "documents"]) == 1
     err = capsys.readouterr().err
-    assert "closes over doc_ids, a tensor" in err and "def make_same_document(config)" in err
+    assert "closes over doc_ids, a tensor" in err and "def make_documents(config)" in err
     assert "Traceback" not in err and not (tmp_path / "r.toml").exists()
+
+
+PROBE_FIRST = """
+import importlib.util
+assert importlib.util.find_spec("torch") is not None  # transformers' is_torch_available() does this on import
+import torch
+import kernelpack
+from kernelpack.masks import block_mask, sliding_window
+
+q, k, v = (torch.randn(1, 2, 256, 64) for _ in range(3))
+kernelpack.flex_attention(q, k, v, block_mask=block_mask(sliding_window(64), 256, 256, "cpu"))
+"""
+
+
+def test_a_job_that_probes_for_torch_before_importing_it_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A multi-line `python -c` (a newline in the command) whose first act is find_spec("torch")."""
+    _user_env(monkeypatch)
+    recipe = tmp_path / "probe.toml"
+    assert main(["record", "-o", str(recipe), "--", sys.executable, "-c", PROBE_FIRST]) == 0
+    assert parse_recipe(tomllib.loads(recipe.read_text())).configs[0].window == 64
+
+
+MY_MASKS = """
+import torch
+from user_model import documents  # what makes the job's mask, as the job calls it
+
+
+def make_documents(config):
+    doc_ids = torch.zeros((config.q_len,), dtype=torch.int64, device=config.device)  # example values
+    return documents(doc_ids)
+
+
+def wrong(config):
+    doc_ids = torch.zeros((config.q_len,), dtype=torch.int64)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    return same_document
+"""
+
+
+def test_a_mask_over_a_tensor_records_through_the_factory_the_error_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The template's factory (calling the job's own mask maker with example tensors) makes a recipe whose artifact
+    covers the job's call; a factory that makes another function (same graph, another name) is refused at record
+    time, not at replay."""
+    from kernelpack.build import build_recipe
+
+    _user_env(monkeypatch)
+    (tmp_path / "my_masks.py").write_text(MY_MASKS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]]))
+    job = ["--", sys.executable, "train.py", "documents"]
+    wrong = ["--mask-factory", "documents.<locals>.same_document=my_masks:wrong"]
+    assert main(["record", "-o", str(tmp_path / "wrong.toml"), *wrong, *job]) == 1
+    assert "would never cover this call" in capsys.readouterr().err
+    right = ["--mask-factory", "documents.<locals>.same_document=my_masks:make_documents"]
+    recipe = tmp_path / "docs.toml"
+    assert main(["record", "-o", str(recipe), *right, *job]) == 0
+    assert 'mask = "my_masks:make_documents"' in recipe.read_text()
+    built = build_recipe(recipe, tmp_path / "out")
+    assert built.artifact is not None and not built.failed
+    out = _replay(built.artifact, "documents", tmp_path)
+    assert out["missed"] == 0 and out["refused"] == [], out
+
+
+def test_the_stand_in_keeps_the_querys_layout_with_another_value_head_dim() -> None:
+    import torch
+
+    from kernelpack.record import _stand_in
+
+    q = torch.randn(1, 256, 4, 16).transpose(1, 2)
+    v = torch.randn(1, 4, 256, 32)
+    out = _stand_in({"query": q, "key": q, "value": v})
+    assert out.shape == (1, 4, 256, 32) and out.transpose(1, 2).is_contiguous()
+
+
+def test_text_from_the_job_cannot_break_the_recipe() -> None:
+    """A closure string with a quote, a backslash, a newline, an emoji and an escape, and a command with a newline:
+    the recipe still reads back as recorded."""
+    odd = 'a "b" \\ c\nd 🙂 \x1b[31m'
+    closure = json.dumps({"closure": {"window": odd}})
+    mask = "user_model:local_window.<locals>.local_causal"
+    config = Config(
+        device="cpu", mask=mask, mask_closure=closure, window=None, batch=1, q_heads=2, kv_heads=2, q_len=256,
+        kv_len=256, head_dim=16, dtype="float32",
+    )  # fmt: skip
+    event = {"call": {"config": config.to_dict(), "device_index": None, "path": "p", "site": "s\nx"}}
+    text = recipe_text([event], name="r", source="`python -c 'a\nb'`")
+    (again,) = parse_recipe(tomllib.loads(text)).configs
+    assert again.reference("mask") == {"function": config.mask, "closure": {"window": odd}}

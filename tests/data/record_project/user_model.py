@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -61,3 +62,55 @@ def documents(doc_ids: torch.Tensor) -> Any:
         return doc_ids[q_idx] == doc_ids[kv_idx]
 
     return same_document
+
+
+# Masks as real code makes them: cached and decorated factories, siblings of one name, comprehension lambdas, the
+# late-binding default idiom, a dtype in the closure (tests/test_recording.py: each named and made again exactly).
+
+
+@functools.lru_cache
+def cached_window(window: int) -> Any:
+    def cached(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return cached
+
+
+def logged(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wrapper(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return fn(b, h, q_idx, kv_idx)
+
+    return wrapper
+
+
+def decorated_window(window: int) -> Any:
+    @logged
+    def decorated(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return q_idx - kv_idx < window
+
+    return decorated
+
+
+def causal_or_window(causal: bool, window: int) -> Any:
+    if causal:
+
+        def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return q_idx >= kv_idx
+    else:
+
+        def mask(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return q_idx - kv_idx < window
+
+    return mask
+
+
+def comprehension_windows(windows: tuple[int, ...]) -> list[Any]:
+    return [lambda b, h, q_idx, kv_idx, w=w: q_idx - kv_idx < w for w in windows]
+
+
+def typed_window(window: int, dtype: torch.dtype) -> Any:
+    def typed(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (q_idx - kv_idx).to(dtype) < window
+
+    return typed
