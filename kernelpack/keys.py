@@ -17,7 +17,7 @@ NONE = "none"
 _SAFE_FIELDS = {
     "torch_version": re.compile(r"[A-Za-z0-9][A-Za-z0-9.+_-]{0,63}"),
     "torch_git": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
-    "device_type": re.compile(r"cuda|cpu"),
+    "device_type": re.compile(r"[a-z][a-z0-9_]{0,31}"),
 }
 
 

@@ -350,7 +350,7 @@ def test_no_traceback_reaches_the_terminal(
     cases = [
         (["install", str(smoke_artifact), "--cache-dir", ""], {}),
         (["install", str(smoke_artifact), "--cache-dir", str(loop / "x")], {}),
-        (["install", str(smoke_artifact)], {"KERNELPACK_LOCK_TIMEOUT": "soon"}),
+        (["install", str(smoke_artifact), "--cache-dir", str(tmp_path / "fresh")], {"KERNELPACK_LOCK_TIMEOUT": "soon"}),
         (["install", str(smoke_artifact)], {"TORCHINDUCTOR_CACHE_DIR": str(a_file)}),
         (["pull", str(reg), "--recipe", recipe], {"KERNELPACK_DOWNLOAD_DIR": str(a_file)}),
         (["pull", str(reg), "--recipe", recipe], {"KERNELPACK_DOWNLOAD_DIR": "", "XDG_CACHE_HOME": str(a_file)}),
