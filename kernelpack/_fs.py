@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,6 +126,7 @@ def reap_dead(directory: Path, prefix: str) -> None:
 
 
 OWNER_FILE = ".owner"
+_INIT_PREFIX = ".kernelpack-init-"
 _owned: dict[Path, int] = {}  # staging directory -> the fd holding the flock on its owner file
 
 
@@ -137,11 +139,13 @@ def _owner_alive(path: Path) -> bool | None:
         return None
     if path in _owned:
         return True  # ours (flock is per open file: taking it again here would succeed)
-    try:
-        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # non-blocking: a FIFO planted as the owner file must not hang the reaper
+        fd = os.open(path / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
@@ -156,15 +160,18 @@ def make_stage_dir(root: Path, prefix: str) -> Path:
     """A fresh private directory in ``root`` named ``<prefix><owner>...``, whose owner flock this process holds until
     :func:`remove_stage_dir`; dead owners' ones are reaped first."""
     reap_dead(root, prefix)
-    d = Path(tempfile.mkdtemp(prefix=prefix + owner_tag(), dir=root))
+    reap_dead(root, _INIT_PREFIX)
     try:
         import fcntl
-
-        fd = os.open(d / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        _owned[d] = fd
     except ImportError:  # pragma: no cover - Windows: the pid in the name is the only owner mark
-        pass
+        return Path(tempfile.mkdtemp(prefix=prefix + owner_tag(), dir=root))
+    # made under another prefix, locked, then renamed: a reaper never sees the staging directory without its lock
+    young = Path(tempfile.mkdtemp(prefix=_INIT_PREFIX + owner_tag(), dir=root))
+    fd = os.open(young / OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    d = root / f"{prefix}{owner_tag()}{secrets.token_hex(6)}"
+    os.rename(young, d)
+    _owned[d] = fd
     return d
 
 

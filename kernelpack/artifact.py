@@ -52,9 +52,12 @@ SUFFIX = ".kpack"
 MAX_MANIFEST_BYTES = 64 << 20
 # Bounds on what one manifest may list, checked before any other work on it, so that parsing a hostile manifest costs
 # time and memory linear in its size (docs/RELIABILITY.md). Inductor's paths are 4-6 parts, under 300 characters.
-MAX_FILES = 100_000
+MAX_FILES = 50_000
 MAX_PATH_PARTS = 32
-MAX_PATH_CHARS = 1024
+MAX_PATH_CHARS = 512
+MAX_CONFIGS = 10_000
+MAX_DEVICES = 64  # device indices per config
+MAX_SIGNATURES = 200_000  # configs x devices x graphs: the manifest's coverage index
 # zstd long-distance matching finds the Triton binaries that appear both as files and inside FX-graph entries
 # (pickled bundles), which file-level dedup cannot see. The reader must allow the same window.
 WINDOW_LOG = 27
@@ -305,7 +308,14 @@ class Manifest:
             build_key = BuildKey.from_dict(key_data)
             where = "configs"
             legacy_devices = data.get("devices", [data.get("device_index", 0)])
+            if isinstance(legacy_devices, list) and len(legacy_devices) > MAX_DEVICES:
+                raise ValueError(f"{len(legacy_devices)} devices, over the limit of {MAX_DEVICES}")
+            if len(_list(data["configs"])) > MAX_CONFIGS:
+                raise ValueError(f"{len(data['configs'])} configs, over the limit of {MAX_CONFIGS}")
             configs = tuple(_built_config(c, legacy_devices) for c in _list(data["configs"]))
+            signatures = sum(len(c.devices) * len(c.config.graphs) for c in configs)
+            if signatures > MAX_SIGNATURES:
+                raise ValueError(f"{signatures} covered calls, over the limit of {MAX_SIGNATURES}")
             where = "failed"
             failed = tuple(
                 FailedConfig(config=_config(f), device=_index(f.get("device", 0)), error=str(f.get("error", "")))
@@ -370,6 +380,13 @@ def _config(entry: object) -> Config:
     return Config.from_dict(entry["params"])
 
 
+def _devices(value: object) -> tuple[int, ...]:
+    items = _list(value)
+    if len(items) > MAX_DEVICES:
+        raise ValueError(f"{len(items)} devices, over the limit of {MAX_DEVICES}")
+    return tuple(sorted({_index(d) for d in items}))
+
+
 def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     config = _config(entry)
     assert isinstance(entry, dict)
@@ -384,7 +401,7 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
         raise TypeError("score_key must be a string")
     return BuiltConfig(
         config=config,
-        devices=tuple(sorted({_index(d) for d in _list(entry.get("devices", legacy_devices))})),
+        devices=_devices(entry.get("devices", legacy_devices)),
         mask_key=mask_key,
         score_key=score_key,
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
@@ -480,6 +497,8 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
     path present in several inputs, the first input wins (inputs are taken in the order given)."""
     if len(artifacts) < 2:
         raise KernelpackError("merge needs at least two artifacts", hint="kernelpack merge A.kpack B.kpack -o DIR")
+    if not str(out_dir).strip():
+        raise KernelpackError("merge -o: an empty directory name", hint="kernelpack merge A.kpack B.kpack -o DIR")
     manifests = [read_manifest(a) for a in artifacts]
     merged = merge_manifests(manifests, [str(a) for a in artifacts])
     with tempfile.TemporaryDirectory(prefix="kernelpack-merge-") as tmp:
@@ -625,7 +644,7 @@ def _check_name(path: str, rel: str) -> None:
         or rel.count("/") >= MAX_PATH_PARTS
         or rel.startswith("/")
         or "\\" in rel
-        or "\0" in rel
+        or not rel.isprintable()  # no NUL, no terminal escape: member names reach logs and terminals
         or posixpath.normpath(rel) != rel
         or any(part in ("", ".", "..") or len(part) > 255 for part in rel.split("/"))
         or not is_shipped(rel)

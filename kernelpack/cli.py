@@ -335,7 +335,7 @@ def pull_cmd(
     )
     click.echo(f"{'downloaded' if r.downloaded else 'cached'}: {r.entry.path} -> {r.path}")
     if do_install:
-        i = install_artifact(r.path, cache_dir, device_index=device_index)
+        i = install_artifact(r.path, cache_dir, device_index=device_index, sha256=r.entry.sha256)
         click.echo(f"{'already installed' if i.noop else f'installed {i.written} files'} in {i.cache_dir}")
 
 

@@ -109,11 +109,13 @@ def install_artifact(
     *,
     allow_mismatch: bool = False,
     device_index: int = 0,
+    sha256: str | None = None,
 ) -> InstallResult:
     """Install ``artifact`` into ``cache_dir`` (default: the directory inductor uses in this process). Files only:
     this process is not changed (``kernelpack.install`` also points it at the cache).
 
     Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``.
+    ``sha256`` (a pinned pull): the artifact must have exactly these bytes, checked by the installer itself.
     """
     start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -122,6 +124,7 @@ def install_artifact(
         timings[name] = time.perf_counter() - start - sum(timings.values())
 
     path = str(artifact)
+    target = resolve_cache_dir(cache_dir) if cache_dir is not None or settings.inductor_cache_dir() else None
     manifest = art.read_manifest(path)
     lap("manifest")
     built = manifest.build_key
@@ -135,16 +138,18 @@ def install_artifact(
             KernelpackWarning,
             stacklevel=2,
         )
-    target = resolve_cache_dir(cache_dir)
+    target = target or resolve_cache_dir(cache_dir)
     sha = _fs.sha256_file(path)
     lap("hash")
+    if sha256 is not None and sha != sha256:
+        raise InstallError(path, f"sha256 {sha} is not the pinned {sha256}", hint="pull it again")
     marker = marker_path(target, sha)
     counts = _Counts()
     noop = _marker_valid(marker, target, manifest)
     if noop:
         _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
     else:
-        _check_state_dir(target)  # before any file is committed: a failed install leaves the target as it was
+        _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
         with _node_lock(target):
             noop = _marker_valid(marker, target, manifest)  # another worker may have finished while we waited
             if not noop:
@@ -186,7 +191,7 @@ class _Counts:
     nbytes: int = 0
 
 
-def _check_state_dir(target: Path) -> None:
+def _check_state_dir(target: Path, marker: Path | None = None) -> None:
     """The marker's directory must be (or become) a real directory inside the target: not a file, not a symlink to
     elsewhere. Checked before extracting, so a marker that cannot be written fails the install with the target
     unchanged."""
@@ -199,6 +204,8 @@ def _check_state_dir(target: Path) -> None:
                 "there and follows no link out of the cache directory",
                 hint=f"remove {p}",
             )
+    if marker is not None and (marker.is_symlink() or (marker.exists() and not marker.is_file())):
+        raise InstallError(str(target), f"{marker} is in the way (not a regular file)", hint=f"remove {marker}")
 
 
 def _marker_valid(marker: Path, target: Path, manifest: art.Manifest) -> bool:

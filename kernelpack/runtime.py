@@ -132,9 +132,14 @@ def _start(
     if registry is not None:
         if recipe is None:
             raise KernelpackError("a registry needs recipe=", hint="activate(registry=URL, recipe=NAME)")
-        artifact = pull(registry, recipe, lock=lock, storage_options=storage_options, device_index=device_index).path
+        pulled = pull(registry, recipe, lock=lock, storage_options=storage_options, device_index=device_index)
+        artifact, sha256 = pulled.path, pulled.entry.sha256
+    else:
+        sha256 = None
     assert artifact is not None
-    result = install_artifact(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
+    result = install_artifact(
+        artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, sha256=sha256
+    )
     _configure_process(result)
     return result
 

@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -140,6 +140,8 @@ class Registry:
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         import fsspec
 
+        if not str(url).strip():
+            raise RegistryError(repr(url), "an empty registry URL", hint="pass a directory path or a URL")
         self.url = url.rstrip("/") or url
         self.read_only = _is_http(url)
         try:
@@ -179,7 +181,7 @@ class Registry:
         skipped: list[str] = []
         if self.read_only:
             with self._errors(f"reading {INDEX}"):
-                blob = self.fs.cat_file(self._p(INDEX), start=0, end=_MAX_INDEX_BYTES + 1)
+                blob = self._read(self._p(INDEX), _MAX_INDEX_BYTES)
             if len(blob) > _MAX_INDEX_BYTES:
                 raise RegistryError(self.url, f"{INDEX} is over {_MAX_INDEX_BYTES} bytes")
             try:
@@ -198,7 +200,7 @@ class Registry:
             for p in paths:
                 try:
                     with self._errors(f"reading {p}"):
-                        blob = self.fs.cat_file(p, start=0, end=_MAX_ENTRY_BYTES + 1)
+                        blob = self._read(p, _MAX_ENTRY_BYTES)
                     if len(blob) > _MAX_ENTRY_BYTES:
                         raise ValueError(f"over {_MAX_ENTRY_BYTES} bytes")
                     raw.append((p, json.loads(blob)))
@@ -223,6 +225,16 @@ class Registry:
         return sorted(
             (e for e in entries if recipe is None or e.recipe == recipe), key=lambda e: (e.recipe, -e.created, e.path)
         )
+
+    def _read(self, path: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of ``path``, streamed (an http body that never ends is not read to its end:
+        fsspec's ``cat`` would)."""
+        with self.fs.open(path, "rb", block_size=0) if _is_http(self.url) else self.fs.open(path, "rb") as f:
+            chunks, n = [], 0
+            while n <= limit and (chunk := f.read(min(_fs.CHUNK, limit + 1 - n))):
+                chunks.append(chunk)
+                n += len(chunk)
+        return b"".join(chunks)
 
     def fetch(self, entry: Entry, dest: Path) -> str:
         """Download the payload to ``dest`` (a new temp path the caller renames), reading at most the published size
@@ -279,9 +291,9 @@ class Registry:
                 except (ValueError, KeyError, TypeError, RecursionError):
                     old = None  # a damaged entry: this push rewrites it
                 if old is not None and old.sha256 == entry.sha256:
-                    if self._payload_intact(entry):
+                    if self._payload_intact(entry) and not force:
                         return old, "unchanged"
-                    status = "repaired"  # the entry is there, its payload is missing or cut short
+                    status = "repaired"  # the payload is missing or cut short (or --force: maybe corrupt): upload it
                 elif old is not None and not force:
                     raise RegistryError(
                         self.url,
@@ -292,11 +304,36 @@ class Registry:
                 else:
                     status = "replaced" if old is not None else "repaired"
             # Payload first, entry last: an entry is only ever written once its payload is complete.
+            self._check_inside(posixpath.dirname(self._p(entry.path)))
             self.fs.makedirs(posixpath.dirname(self._p(entry.path)), exist_ok=True)
-            self._put(path, self._p(entry.path))
-            self._pipe(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
+            with self._entry_lock(entry):
+                self._put(path, self._p(entry.path))
+                self._pipe(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
             self._write_index()
         return entry, status
+
+    @contextlib.contextmanager
+    def _entry_lock(self, entry: Entry) -> Iterator[None]:
+        """On a local directory, the payload and the entry of one build are written by one pusher at a time, so
+        they always agree (an object store has no lock: the sha256 check on download catches a mix)."""
+        if not self._local():
+            yield
+            return
+        directory = Path(self._p(posixpath.dirname(entry.path)))
+        self._check_inside(str(directory))
+        with _lock.file_lock(directory / f".{entry.name}.lock", what="registry entry"):
+            yield
+
+    def _check_inside(self, directory: str) -> None:
+        """On a local directory: ``directory`` (or what of it exists) must resolve inside the registry, checked
+        before anything is made below it: a symlink in the registry must not lead a push elsewhere."""
+        if not self._local():
+            return
+        existing = Path(directory)
+        while not existing.exists() and not existing.is_symlink() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.resolve().is_relative_to(Path(self.root or "/").resolve()):
+            raise RegistryError(self.url, f"{existing} leads outside the registry (a symlink); refusing to write")
 
     def _payload_intact(self, entry: Entry) -> bool:
         try:
@@ -424,7 +461,13 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
                 return final, False
             log.warning("%s is not the artifact %s names; downloading it again", final, entry.path)
             final.unlink()
+        elif final.is_symlink():
+            final.unlink()  # never followed
         _fs.reap_dead(cache, f".{final.name}.")  # temp files of downloads killed on this node
+        if final.exists() or final.is_symlink():
+            raise KernelpackError(
+                f"{final} is in the way (not a regular file)", hint="remove it: kernelpack downloads to that name"
+            )
         with _fs.atomic_path(final) as tmp:
             got = registry.fetch(entry, tmp)
             if got != entry.sha256:
@@ -441,12 +484,24 @@ def _check_private(cache: Path) -> None:
     /tmp path, say), where a file could be swapped after it was checked."""
     if not hasattr(os, "getuid"):  # pragma: no cover - Windows
         return
+    import stat as stat_module
+
+    if cache.is_symlink():
+        raise KernelpackError(
+            f"the download cache {cache} is a symlink", hint="set KERNELPACK_DOWNLOAD_DIR to the real directory"
+        )
     st = cache.stat()
     problem = ""
     if st.st_uid != os.getuid():
         problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     elif st.st_mode & 0o022:
         problem = f"is writable by other users (mode {oct(st.st_mode & 0o777)})"
+    for parent in cache.resolve().parents:  # whoever can rename a parent can swap the whole directory
+        pst = parent.stat()
+        sticky = bool(pst.st_mode & stat_module.S_ISVTX)
+        others = pst.st_mode & 0o002 or (pst.st_mode & 0o020 and pst.st_uid != os.getuid())
+        if others and not sticky and not problem:
+            problem = f"lies in {parent}, which other users can write (mode {oct(pst.st_mode & 0o777)}, no sticky bit)"
     if problem:
         raise KernelpackError(
             f"the download cache {cache} {problem}: another user could replace an artifact after it was verified",
@@ -474,6 +529,10 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
         "recipe": recipe,
         "artifacts": sorted(pins.values(), key=lambda p: p["key_id"]),
     }
+    if not str(out).strip():
+        raise KernelpackError(
+            "lock -o: an empty file name", hint="kernelpack lock REGISTRY --recipe R -o kernelpack.lock"
+        )
     out = Path(out)
     try:
         _fs.write_bytes(out, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
@@ -485,15 +544,17 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
 def read_lock(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
         if data.get("format") != LOCK_FORMAT or not isinstance(data.get("artifacts"), list):
             raise ValueError(f"unsupported lock format {data.get('format')!r}")
         for pin in data["artifacts"]:
             str(pin["key_id"]), str(pin["sha256"])
     except FileNotFoundError:
         raise KernelpackError(f"lock file not found: {path}", hint="create it with kernelpack lock") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise KernelpackError(
-            f"{path}: not a kernelpack lock file: {e}", hint="regenerate it with kernelpack lock"
+            f"{path}: not a kernelpack lock file: {type(e).__name__}: {e}", hint="regenerate it with kernelpack lock"
         ) from None
     return data
 
@@ -541,6 +602,10 @@ def pull(
     entries = registry.entries(recipe)
     entry = select(entries, _here_keys(entries, device_index), registry.url, recipe)
     if lock is not None:
-        check_pin(read_lock(lock), str(lock), entry)
+        pins = read_lock(lock)
+        pinned = {p["sha256"] for p in pins["artifacts"] if p["key_id"] == entry.key_id}
+        # the pinned build, not the newest: a newer push for this build must not break (or replace) a pinned pull
+        entry = next((e for e in entries if e.key_id == entry.key_id and e.sha256 in pinned), entry)
+        check_pin(pins, str(lock), entry)
     path, downloaded = download(registry, entry)
     return PullResult(entry, path, downloaded)

@@ -4,8 +4,10 @@ that concurrent pushers cannot lose. Each test is one class of the review's atta
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -378,3 +380,151 @@ def test_entry_paths_are_the_ones_push_writes(smoke_artifact: Path, tmp_path: Pa
     entry, _ = reg.push(smoke_artifact)
     assert entry.path == f"{entry.recipe}/{key_id(entry.key)}/{entry.name}"
     assert Entry.from_dict(dataclasses.asdict(entry)) == entry
+
+
+# ------------------------------------------------------------------------------------------------ the variants
+# An attack review of the fixes above tried the next moves; each is one test here.
+
+
+def test_an_http_index_that_never_ends_is_cut_off(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from kernelpack.errors import RegistryError
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                while True:
+                    self.wfile.write(b" " * (1 << 20))
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start = time.perf_counter()
+        with pytest.raises(RegistryError, match=r"index\.json is over"):
+            Registry(f"http://127.0.0.1:{server.server_address[1]}").entries()
+        assert time.perf_counter() - start < 60
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda m: m.update(devices=list(range(100_000))),
+        lambda m: m.update(configs=m["configs"] * (art.MAX_CONFIGS + 1)),
+        lambda m: m["files"].append({"path": "fxgraph/a\x1b[31m", "size": 0, "sha256": "0" * 64}),
+    ],
+    ids=["devices of every config", "configs", "a control character in a path"],
+)
+def test_what_a_manifest_may_list_is_bounded(smoke_artifact: Path, tmp_path: Path, edit: Any) -> None:
+    def legacy(m: dict) -> None:
+        for c in m["configs"]:
+            c.pop("devices", None)
+        edit(m)
+
+    bad = _crafted(smoke_artifact, tmp_path / "bad.kpack", legacy)
+    start = time.perf_counter()
+    with pytest.raises(ArtifactError):
+        art.read_manifest(bad)
+    assert time.perf_counter() - start < 5
+
+
+def test_push_force_repairs_a_corrupt_payload_of_the_right_size(smoke_artifact: Path, tmp_path: Path) -> None:
+    reg = Registry(str(tmp_path / "reg"))
+    entry, _ = reg.push(smoke_artifact)
+    payload = tmp_path / "reg" / entry.path
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 1
+    payload.write_bytes(bytes(data))
+    assert reg.push(smoke_artifact)[1] == "unchanged"  # its size is right: only --force re-uploads
+    assert reg.push(smoke_artifact, force=True)[1] == "repaired"
+    assert _fs.sha256_file(payload) == entry.sha256
+
+
+def test_a_marker_path_that_is_a_directory_fails_before_any_commit(smoke_artifact: Path, tmp_path: Path) -> None:
+    from kernelpack.installer import marker_path
+
+    cache = tmp_path / "cache"
+    marker_path(cache, _fs.sha256_file(smoke_artifact)).mkdir(parents=True)
+    before = tree_digest(cache)
+    with pytest.raises(InstallError, match="is in the way"):
+        install_artifact(smoke_artifact, cache)
+    assert tree_digest(cache) == before
+
+
+def test_a_fifo_planted_as_an_owner_file_does_not_hang_the_reaper(tmp_path: Path) -> None:
+    import threading
+
+    stage = tmp_path / f".kernelpack-tmp-{_fs.owner_tag().split('-')[0]}-{_dead_pid()}-x"
+    stage.mkdir()
+    os.mkfifo(stage / _fs.OWNER_FILE)
+    reaper = threading.Thread(target=_fs.reap_dead, args=(tmp_path, ".kernelpack-tmp-"), daemon=True)
+    reaper.start()
+    reaper.join(30)
+    assert not reaper.is_alive() and not stage.exists()
+
+
+def test_a_symlink_inside_a_registry_does_not_lead_a_push_elsewhere(smoke_artifact: Path, tmp_path: Path) -> None:
+    from kernelpack.errors import RegistryError
+
+    reg, elsewhere = tmp_path / "reg", tmp_path / "elsewhere"
+    reg.mkdir()
+    elsewhere.mkdir()
+    (reg / art.read_manifest(smoke_artifact).recipe_name).symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(RegistryError, match="leads outside the registry"):
+        Registry(str(reg)).push(smoke_artifact)
+    assert not list(elsewhere.iterdir())
+
+
+def test_empty_names_are_errors_not_the_current_directory(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    for argv in (["push", str(smoke_artifact), ""], ["merge", str(smoke_artifact), str(smoke_artifact), "-o", ""]):
+        assert main(argv) == 1, argv
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", ""]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reg"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_download_dir_under_a_directory_others_can_write_is_refused(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whoever can rename a parent of the download dir can swap it after the hash: refused, unless sticky."""
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("KERNELPACK_DOWNLOAD_DIR", str(shared / "mine"))
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    assert main(["pull", str(reg), "--recipe", recipe]) == 1
+    assert "which other users can write" in capsys.readouterr().err
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot rename what is ours
+    assert main(["pull", str(reg), "--recipe", recipe]) == 0
+
+
+def test_a_newer_push_for_the_same_build_does_not_break_a_pinned_pull(
+    smoke_artifact: Path, tmp_path: Path, downloads: Path
+) -> None:
+    from kernelpack.store import pull
+
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    lock = tmp_path / "k.lock"
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
+    newer = repack(smoke_artifact, tmp_path / "n" / "newer.kpack", tmp_path / "w", created=2**31)
+    assert main(["push", str(newer), str(reg)]) == 0
+    assert pull(str(reg), recipe, lock=lock).entry.sha256 == _fs.sha256_file(smoke_artifact)
