@@ -13,11 +13,13 @@ job-start wrapper that also points this process at the cache (:mod:`kernelpack.r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -115,15 +117,47 @@ def install_artifact(
     this process is not changed (``kernelpack.install`` also points it at the cache).
 
     Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``.
-    ``sha256`` (a pinned pull): the artifact must have exactly these bytes, checked by the installer itself.
+    ``sha256`` (a pinned pull): the artifact must have exactly these bytes. It is copied through one open file,
+    hashed as it is copied, into a directory private to this process, and installed from there: no one can swap it
+    between the check and the install.
     """
+    if sha256 is None:
+        return _install(str(artifact), cache_dir, allow_mismatch, device_index)
+    with _pinned_copy(str(artifact), sha256) as private:
+        result = _install(private, cache_dir, allow_mismatch, device_index)
+    return dataclasses.replace(result, artifact=str(artifact))
+
+
+@contextlib.contextmanager
+def _pinned_copy(path: str, sha256: str) -> Iterator[str]:
+    tmp = tempfile.mkdtemp(prefix="kernelpack-pinned-")  # 0700: this user's only
+    copy = os.path.join(tmp, os.path.basename(path))
+    try:
+        h = hashlib.sha256()
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "rb") as src, open(copy, "wb") as out:
+                while chunk := src.read(_fs.CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+        except OSError as e:
+            raise InstallError(path, f"cannot read the pinned artifact: {type(e).__name__}: {e}") from e
+        if h.hexdigest() != sha256:
+            raise InstallError(path, f"sha256 {h.hexdigest()} is not the pinned {sha256}", hint="pull it again")
+        yield copy
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install(
+    path: str, cache_dir: str | os.PathLike[str] | None, allow_mismatch: bool, device_index: int
+) -> InstallResult:
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
     def lap(name: str) -> None:
         timings[name] = time.perf_counter() - start - sum(timings.values())
 
-    path = str(artifact)
     target = resolve_cache_dir(cache_dir) if cache_dir is not None or settings.inductor_cache_dir() else None
     manifest = art.read_manifest(path)
     lap("manifest")
@@ -141,8 +175,6 @@ def install_artifact(
     target = target or resolve_cache_dir(cache_dir)
     sha = _fs.sha256_file(path)
     lap("hash")
-    if sha256 is not None and sha != sha256:
-        raise InstallError(path, f"sha256 {sha} is not the pinned {sha256}", hint="pull it again")
     marker = marker_path(target, sha)
     counts = _Counts()
     noop = _marker_valid(marker, target, manifest)

@@ -528,3 +528,13 @@ def test_a_newer_push_for_the_same_build_does_not_break_a_pinned_pull(
     newer = repack(smoke_artifact, tmp_path / "n" / "newer.kpack", tmp_path / "w", created=2**31)
     assert main(["push", str(newer), str(reg)]) == 0
     assert pull(str(reg), recipe, lock=lock).entry.sha256 == _fs.sha256_file(smoke_artifact)
+
+
+def test_a_pinned_install_checks_and_installs_one_private_copy(smoke_artifact: Path, tmp_path: Path) -> None:
+    """The bytes installed are the bytes hashed: copied through one open file into a private directory."""
+    cache = tmp_path / "cache"
+    with pytest.raises(InstallError, match="is not the pinned"):
+        install_artifact(smoke_artifact, cache, sha256="0" * 64)
+    assert not cache.exists()
+    result = install_artifact(smoke_artifact, cache, sha256=_fs.sha256_file(smoke_artifact))
+    assert result.artifact == str(smoke_artifact) and result.written == result.files
