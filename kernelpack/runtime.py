@@ -586,8 +586,8 @@ _observers_lock = threading.Lock()
 
 @contextlib.contextmanager
 def observe_calls(observer: CallObserver) -> Any:
-    """Call ``observer`` for every flex_attention call inside the block, in the calling thread: calls through
-    :data:`flex_attention` (and :func:`guarded`) as they are made, calls of the user's own
+    """Call ``observer`` for every flex_attention call made while the block runs, in the thread that makes it:
+    calls through :data:`flex_attention` (and :func:`guarded`) as they are made, calls of the user's own
     ``torch.compile(flex_attention)`` as Dynamo compiles them (with the defaults for their compile options, which
     are not in the frame), eager calls as ``"flex_attention (eager)"`` with no arguments. Works with or without
     :func:`activate`."""
