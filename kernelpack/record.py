@@ -43,7 +43,7 @@ from typing import Any
 from . import closures, evidence, runtime, settings
 from ._fs import write_bytes
 from .errors import ConfigError, KernelpackError, RecipeError, printable
-from .recipe import Config, check_name, parse_recipe
+from .recipe import BUILTIN_MASKS, SCORE_MODS, Config, check_name, parse_recipe
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
 
 if sys.version_info >= (3, 11):
@@ -347,7 +347,7 @@ def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: st
         return {"problem": {**where, "reason": str(e), "hint": e.hint}}
     except ConfigError as e:
         return {"problem": {**where, "reason": f"a recipe cannot declare this call: {e}", "hint": _CONFIG_HINT}}
-    problem = _check_factories(config, sig, arguments)
+    problem = _check_factories(config, sig)
     if problem is not None:
         return {"problem": {**where, **problem}}
     return {"call": {**where, "config": config.to_dict(), "device_index": sig.device_index}}
@@ -362,16 +362,16 @@ class _Unrecordable(Exception):
         self.hint = hint
 
 
-def _check_factories(config: Config, sig: CallSignature, arguments: Mapping[str, Any]) -> dict[str, str] | None:
+def _check_factories(config: Config, sig: CallSignature) -> dict[str, str] | None:
     """A factory the user named must make the job's very function: its key (code, closure, qualname) equal to the
     call's, or the artifact would never cover the call."""
     from .masks import mask_for, score_mod_for
     from .signature import mask_key, score_mod_key
 
     checks = []
-    if config.mask_closure is None and config.mask not in ("sliding_window", "sliding_window_bidirectional"):
+    if config.mask_closure is None and config.mask not in BUILTIN_MASKS:
         checks.append(("mask", config.mask, lambda: mask_key(mask_for(config)), sig.mask))
-    if config.score_closure is None and config.score_mod not in ("none", "identity"):
+    if config.score_closure is None and config.score_mod not in SCORE_MODS:
         checks.append(("score_mod", config.score_mod, lambda: score_mod_key(score_mod_for(config)), sig.score_mod))
     for what, factory, made, wanted in checks:
         try:
@@ -419,7 +419,7 @@ def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[st
 
 
 def _score(score_mod: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None]:
-    if sig.score_mod in ("none", "identity"):  # by graph: any function returning the score is the identity
+    if sig.score_mod in SCORE_MODS:  # by graph: any function returning the score is the identity
         return sig.score_mod, None
     factory = factories.lookup(score_mod, "score")
     if factory is not None:
