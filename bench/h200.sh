@@ -30,6 +30,17 @@ collect() {
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f $dir/$marker ]] && break; sleep 5; done
   cp "$dir"/* "$OUT/" 2>/dev/null; for log in "$@"; do tail -40 "$OUT/$log"; done
 }
+# Issue 17: which dynamic flex graphs a fresh process reuses, with and without duck sizing; static for the ratio.
+if [[ $what == dyn-probe ]]; then
+  P="python3 bench/dynamic_probe.py"
+  rm -rf /tmp/dp-noduck /tmp/dp-duck /tmp/dp-static
+  TORCHINDUCTOR_CACHE_DIR=/tmp/dp-noduck $P --lens 4100,8192 --no-duck | tee "$OUT/probe-noduck-A.jsonl"
+  for L in 6144 1500 16000 12288 3001; do TORCHINDUCTOR_CACHE_DIR=/tmp/dp-noduck $P --lens $L --no-duck; done \
+    | tee "$OUT/probe-noduck-B.jsonl"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/dp-duck $P --lens 4096,8192 | tee "$OUT/probe-duck-A.jsonl"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/dp-duck $P --lens 6144 | tee "$OUT/probe-duck-B.jsonl"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/dp-static $P --static --lens 6144,12288 | tee "$OUT/probe-static.jsonl"
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi
