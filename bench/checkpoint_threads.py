@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,9 @@ from typing import Any
 MODES = ("none", "none-nowarm", "reentrant", "nonreentrant", "both")
 
 
-def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = "canonical") -> dict[str, Any]:
+def child(
+    artifact: str, mode: str, threads: int, cache: str, block_kind: str = "canonical", random_steps: int = 0
+) -> dict[str, Any]:
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -75,6 +78,8 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
         return runtime.flex_attention(xq * scale, xkv * scale, xkv + 0, block_mask=bm, enable_gqa=gqa)
 
     modules: dict[tuple[str, str], Any] = {}  # --block hf: each thread its own model, as each drafter has
+    rngs: dict[str, random.Random] = {}
+    lengths_seen: list[int] = []
 
     def step_one(c: Any, reentrant: bool | None) -> None:
         if block_kind == "tf":  # transformers builds the BlockMask (kernelpack's mask interface) every forward
@@ -83,8 +88,17 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
                 model.gradient_checkpointing_disable()
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-            ids = torch.randint(0, model.config.vocab_size, (c.batch, c.q_len), device=device)
-            model(ids, labels=ids, use_cache=False).loss.backward()
+            n = length = c.q_len
+            if random_steps:  # --random-steps: a random length per step, padded to a bucket for a static artifact
+                lo, hi = c.q_range or (min(x.q_len for x in configs), max(x.q_len for x in configs))
+                name = threading.current_thread().name
+                n = rngs.setdefault(name, random.Random(name)).randint(lo, hi)
+                length = n if c.q_range else runtime.padded_length(n)
+                lengths_seen.append(n)
+            ids = torch.randint(0, model.config.vocab_size, (c.batch, length), device=device)
+            labels = ids.clone()
+            labels[:, n:] = -100  # padding: no loss, and causal attention keeps it out of the real tokens
+            model(ids, labels=labels, use_cache=False).loss.backward()
             return
         if block_kind == "hf":  # bench/hf_block.py: projections seen through .transpose(1, 2), the user's own mask
             import hf_block
@@ -123,6 +137,8 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
     else:
         n = threads
         plan = [(c, {"reentrant": True, "nonreentrant": False}.get(mode)) for c in configs]
+    if random_steps:  # one config stands for the range (dynamic) or the buckets (padded_length picks each)
+        plan = plan[:1] * random_steps
 
     def step() -> tuple[float, int]:
         ts = [threading.Thread(target=worker, args=(i, plan), name=f"drafter-{i}", daemon=True) for i in range(n)]
@@ -164,6 +180,7 @@ def child(artifact: str, mode: str, threads: int, cache: str, block_kind: str = 
         # torch's own record of each compile during the steps (a re-trace served from the cache shows here too)
         "compiles_during_steps": [{**evidence.fields_of(r), "note": r.note} for r in evidence.compile_records(mark)],
         "activation": activation.describe(),
+        "lengths": sorted(lengths_seen),
         "torch": torch.__version__,
     }
 
@@ -199,12 +216,15 @@ def main() -> int:
         help="canonical: contiguous q/k/v and kernelpack's masks; hf: bench/hf_block.py (needs a bshd artifact); "
         "tf: a transformers model (needs transformers_step.py's recipe)",
     )
+    p.add_argument("--random-steps", type=int, default=0, help="--block tf: steps of random lengths per thread step")
     p.add_argument("--out", help="the JSON to write (required except in --child)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         try:
-            result = child(args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"], args.block)
+            result = child(
+                args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"], args.block, args.random_steps
+            )
         except BaseException as e:
             result = {"mode": args.child, "crash": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print(json.dumps(result), flush=True)
@@ -220,7 +240,7 @@ def main() -> int:
             with tempfile.TemporaryDirectory(prefix="kp-ckpt-") as tmp:
                 env = dict(os.environ, KP_BENCH_CACHE=str(Path(tmp, "cache")))
                 cmd = [sys.executable, __file__, "--artifact", args.artifact, "--threads", str(args.threads)]
-                cmd += ["--block", args.block]
+                cmd += ["--block", args.block, "--random-steps", str(args.random_steps)]
                 start = time.perf_counter()
                 try:
                     proc = subprocess.run(

@@ -51,7 +51,7 @@ def main() -> None:
         bm = create_block_mask(sliding_window_mask, None, None, n, n, device=a.device)
         before = {k2: dict(v2) for k2, v2 in counters.items()}
 
-        def step():
+        def step(q=q, k=k, v=v, bm=bm):
             with torch.set_grad_enabled(grad):
                 out = fn(q, k, v, block_mask=bm, enable_gqa=hq != hkv)
             if grad:
@@ -73,7 +73,8 @@ def main() -> None:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-        rows.append({"len": n, "first_s": round(first, 3), "steady_ms": round(1e3 * statistics.median(times), 3), **delta})
+        steady_ms = round(1e3 * statistics.median(times), 3)
+        rows.append({"len": n, "first_s": round(first, 3), "steady_ms": steady_ms, **delta})
         print(json.dumps(rows[-1]), flush=True)
 
 

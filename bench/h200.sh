@@ -41,6 +41,42 @@ if [[ $what == dyn-probe ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/dp-duck $P --lens 6144 | tee "$OUT/probe-duck-B.jsonl"
   TORCHINDUCTOR_CACHE_DIR=/tmp/dp-static $P --static --lens 6144,12288 | tee "$OUT/probe-static.jsonl"
 fi
+# Issue 17: a 50-step training loop at random lengths in [1024, 16384] (bench/varlen_train.py): buckets of
+# ${VL_MULTIPLE:-512} vs one dynamic graph vs cold; build time and size of each; the three-thread checkpointing proof at
+# random lengths. Detached (over 10 minutes in all); varlen-collect waits for it and copies the results.
+if [[ $what == varlen-bg ]]; then
+  rm -rf /tmp/vl; mkdir -p /tmp/vl
+  setsid nohup bash -c '
+    set -x
+    V="python3 bench/varlen_train.py"
+    $V --write-recipe /tmp/vl/buckets.toml --multiple '"${VL_MULTIPLE:-512}"' --graphs fwd+bwd > /dev/null
+    $V --write-recipe /tmp/vl/dynamic.toml --graphs fwd,fwd+bwd > /dev/null
+    for k in buckets dynamic; do
+      s=$(date +%s.%N); python3 -m kernelpack.cli build /tmp/vl/$k.toml -o /tmp/vl/$k --jobs 8 > /tmp/vl/build-$k.log 2>&1
+      echo "build $k wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" >> /tmp/vl/build-$k.log
+      python3 -m kernelpack.cli inspect --json /tmp/vl/$k/*.kpack > /tmp/vl/manifest-$k.json
+      python3 -m kernelpack.cli verify --json /tmp/vl/$k/*.kpack > /tmp/vl/verify-$k.json 2>&1; echo "verify $k exit $?" >> /tmp/vl/build-$k.log
+    done
+    for r in 1 2; do for k in buckets dynamic; do
+      $V --artifact /tmp/vl/$k/*.kpack --steps 50 >> /tmp/vl/varlen.jsonl 2>> /tmp/vl/varlen.err
+    done; done
+    TORCHINDUCTOR_CACHE_DIR=/tmp/vl/cold-cache $V --mode cold --steps 50 --time-limit 100 >> /tmp/vl/varlen.jsonl 2>> /tmp/vl/varlen.err
+    touch /tmp/vl/arms-done
+    python3 bench/checkpoint_threads.py --artifact /tmp/vl/dynamic/*.kpack --block tf --threads 3 --timeout 200 \
+      --modes reentrant,nonreentrant --runs 1 --random-steps 4 --out /tmp/vl/ckpt-dynamic.json > /tmp/vl/ckpt.log 2>&1
+    python3 bench/checkpoint_threads.py --artifact /tmp/vl/buckets/*.kpack --block tf --threads 3 --timeout 200 \
+      --modes nonreentrant --runs 1 --random-steps 4 --out /tmp/vl/ckpt-buckets.json >> /tmp/vl/ckpt.log 2>&1
+    touch /tmp/vl/done' > /tmp/vl/driver.log 2>&1 < /dev/null &
+  echo "varlen benchmark started in the background"
+  for _ in $(seq 1 ${COLLECT_POLLS:-105}); do [[ -f /tmp/vl/arms-done ]] && break; sleep 5; done
+  tail -4 /tmp/vl/build-*.log; tail -c 1500 /tmp/vl/varlen.jsonl
+fi
+if [[ $what == varlen-collect ]]; then  # every small file of the run, in one tarball (8 files come back at most)
+  [[ -d /tmp/vl ]] || { echo "no background run in /tmp/vl on this machine (it went cold)"; exit 3; }
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/vl/done ]] && break; sleep 5; done
+  tar czf "$OUT/varlen.tgz" -C /tmp/vl --exclude='*.kpack' --exclude=cold-cache .
+  tail -5 /tmp/vl/ckpt.log /tmp/vl/driver.log; tail -c 600 /tmp/vl/varlen.err
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi

@@ -134,6 +134,25 @@ class BuiltConfig:
         return self.config.signatures(device_index, self.mask_key, self.score_key or None)
 
 
+def _differences(covered: CallSignature, built: BuiltConfig, call: CallSignature) -> tuple[tuple[str, Any, Any], ...]:
+    """What differs between a covered signature and a call; for a dynamic range config, the lengths against its
+    ranges ("1024..16384"), and its dynamic graph is not a difference (kernelpack picks it)."""
+    c = built.config
+    if c.q_range is None or c.kv_range is None:
+        return tuple(covered.differences(call))
+    diffs = []
+    for name, a, b in covered.differences(call):
+        if name == "dynamic":
+            continue
+        if name in ("q_len", "kv_len"):
+            lo, hi = c.q_range if name == "q_len" else c.kv_range
+            if lo <= b <= hi:
+                continue
+            a = f"{lo}..{hi}"
+        diffs.append((name, a, b))
+    return tuple(diffs)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class FailedConfig:
     config: Config
@@ -190,10 +209,13 @@ class Manifest:
     # the builder's settings that enter inductor's cache keys (compiled.key_settings); empty in older artifacts
     key_settings: Mapping[str, str] = field(default_factory=dict, hash=False)
     _index: dict[CallSignature, BuiltConfig] = field(init=False, repr=False, compare=False, hash=False)
+    # the dynamic range configs: a call is covered by one when its lengths are in the ranges
+    _ranged: tuple[BuiltConfig, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         index = {s: c for c in self.configs for d in c.devices for s in c.signatures(d)}
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_ranged", tuple(c for c in self.configs if c.config.q_range is not None))
 
     @property
     def recipe_name(self) -> str:
@@ -223,12 +245,23 @@ class Manifest:
         entry = self._index.get(signature)
         if entry is not None:
             return Coverage(signature, entry)
-        ranked = sorted(self._index.items(), key=lambda kv: (len(kv[0].differences(signature)), kv[0].describe()))
-        return Coverage(
-            signature,
-            None,
-            tuple(Nearest(s, c.id, tuple(s.differences(signature))) for s, c in ranked[:nearest]),
+        for built in self._ranged:
+            if self._index.get(self.traced(signature, built)) is built and built.config.covers_lengths(
+                signature.q_len, signature.kv_len
+            ):
+                return Coverage(signature, built)
+        ranked = sorted(
+            ((s, c, _differences(s, c, signature)) for s, c in self._index.items()),
+            key=lambda x: (len(x[2]), x[0].describe()),
         )
+        return Coverage(signature, None, tuple(Nearest(s, c.id, d) for s, c, d in ranked[:nearest]))
+
+    @staticmethod
+    def traced(signature: CallSignature, built: BuiltConfig) -> CallSignature:
+        """The call as a dynamic range config's builder made it: its traced lengths, and the dynamic graph
+        (``kernelpack.flex_attention`` picks it; the caller does not say dynamic=True)."""
+        c = built.config
+        return dataclasses.replace(signature, q_len=c.q_len, kv_len=c.kv_len, dynamic=True)
 
     # ------------------------------------------------------------------------------------------------ JSON
 

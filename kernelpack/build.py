@@ -25,7 +25,7 @@ from .compiled import key_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
 from .recipe import Config, Recipe, load_recipe
-from .workload import check_errors, run_config
+from .workload import check_errors, range_lengths, run_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +253,15 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
 
         torch.cuda.set_device(index)
     before = evidence.snapshot()
-    call = run_config(config, device)
+    lengths = range_lengths(config, 2, seed=int(config.id, 16))
+    call = run_config(config, device, lengths=lengths)
+    problem = check_errors(config, call.errors)
+    retraced = call.lengths_counters.get("frames.ok", 0)
+    if retraced or evidence.compiled_anything(call.lengths_counters):
+        problem = (
+            f"its dynamic graph does not serve the whole range: at lengths {call.lengths} Dynamo traced {retraced} "
+            f"more graph(s) ({', '.join(evidence.compiled_anything(call.lengths_counters)) or 'cache hits'})"
+        )
     return {
         "seconds": call.seconds,
         "errors": call.errors,
@@ -262,7 +270,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "mask_key": call.mask_key,
         "score_key": call.score_key,
         "key_settings": key_settings(config.device),
-        "problem": check_errors(config, call.errors),
+        "problem": problem,
     }
 
 

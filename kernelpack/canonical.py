@@ -54,6 +54,11 @@ def make_inputs(
             t = torch.zeros(shape, device=device, dtype=dtype)
         if layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
             t = t.transpose(1, 2).contiguous().transpose(1, 2)
+            if config.dynamic:
+                # Not a view: with dynamic shapes Dynamo guards on a view's base (its strides by symbol), so a graph
+                # traced on a view misses a tensor with these strides that is none (transformers' q and k after
+                # RoPE); one traced on a non-view serves both (CPU, torch 2.13)
+                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
         return t.requires_grad_(graph == "fwd+bwd")
 
     q = rand(config.q_heads, config.q_len, layouts[0])

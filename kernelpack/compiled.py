@@ -125,11 +125,11 @@ def serving_entry(arguments: Mapping[str, Any], mode: str = "default", dynamic: 
 
 def dynamo_hit(
     arguments: Mapping[str, Any], served_by: Collection[Any], mode: str = "default", dynamic: bool = False
-) -> bool | None:
-    """Whether a call with these arguments would be served from one of the entries ``served_by`` (guard managers
-    recorded by :func:`serving_entry`) that Dynamo still has, by running Dynamo's own guards on the frame the call
-    would make. Only those entries count: an entry someone else compiled may be a graph the artifact does not cover.
-    None where torch cannot tell (old torch).
+) -> Any:
+    """The entry (guard manager) of ``served_by`` (recorded by :func:`serving_entry`) that Dynamo would serve a call
+    with these arguments from, if it still has it, found by running Dynamo's own guards on the frame the call would
+    make; False when none would (Dynamo would trace). Only those entries count: an entry someone else compiled may be
+    a graph the artifact does not cover. None where torch cannot tell (old torch).
 
     Costs ~20 us for a dozen entries (CPU, torch 2.13): each failing entry stops at its first failing guard."""
     entries = dynamo_entries(mode, dynamic)
@@ -137,7 +137,33 @@ def dynamo_hit(
         return None
     f_locals = frame_locals(arguments)
     # a recorded entry Dynamo no longer has (torch._dynamo.reset()) would not serve the call: Dynamo would trace
-    return any(e.guard_manager in served_by and e.guard_manager.check(f_locals) for e in entries)
+    return next(
+        (e.guard_manager for e in entries if e.guard_manager in served_by and e.guard_manager.check(f_locals)), False
+    )
+
+
+@contextlib.contextmanager
+def trace_settings(dynamic: bool) -> Iterator[None]:
+    """What a call that may trace runs under: for a dynamic graph, no duck sizing.
+
+    Duck sizing gives two sizes that are equal at trace time one symbol, and the graph then holds only where they are
+    equal. A flex call's sizes include the block count of its BlockMask, which at some lengths equals a head count:
+    at 4096 tokens, 32 blocks of 128 and 32 query heads. Measured on the H200 (bench/dynamic_probe.py,
+    docs/BENCHMARKS.md): a dynamic graph traced at 4096 did not serve 8192 in the same process, and a fresh process at
+    6144 missed the cache; traced without duck sizing, one graph served 8192 in-process and a fresh process at 1500,
+    3001, 6144, 12288 and 16000 hit the FX-graph and AOTAutograd caches. Only first calls trace, alone at the gate;
+    on torch < 2.12 the setting is process-wide while the call runs, so a compile in another thread meanwhile is
+    traced without duck sizing too (a more general graph, never a wrong one)."""
+    if not dynamic:
+        yield
+        return
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    # Floats specialized, as in a static graph: a dynamic float (flex's scale) is traced into a graph AOTAutograd
+    # cannot cache, compiled again in every process (CPU, torch 2.13: one AOTAutograd miss per fresh process).
+    with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):  # type: ignore[attr-defined]
+        yield
 
 
 def guard_failure(guard_manager: Any, arguments: Mapping[str, Any]) -> str:

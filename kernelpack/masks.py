@@ -50,6 +50,38 @@ def sliding_window_bidirectional(window: int) -> MaskMod:
 BUILTIN = {"sliding_window": sliding_window, "sliding_window_bidirectional": sliding_window_bidirectional}
 
 
+def padded(mask_mod: MaskMod, kv_len: Any) -> MaskMod:
+    """``mask_mod`` with every key at ``kv_len`` and beyond masked out: the mask of a batch padded to its bucket
+    (:func:`kernelpack.runtime.padded_length`), for a recipe with ``[call] padded = true``.
+
+    ``kv_len`` is a 0-d integer tensor on the call's device (an int is made one, on the CPU): a tensor the mask
+    closes over is a graph input, read by value at run time, so one compiled graph serves every real length of a
+    bucket. A Python int would be a constant of the graph: a graph per length. Make it per step with the same
+    ``mask_mod``; padded query rows compute garbage that the caller drops (``out[:, :, :n]``), which also keeps their
+    gradients out of the real rows'. A causal mask needs none of this for keys padded at the end: no real query
+    sees them."""
+    import torch
+
+    if not isinstance(kv_len, torch.Tensor):
+        kv_len = torch.tensor(int(kv_len), dtype=torch.int32)
+    if kv_len.dim() != 0 or kv_len.dtype.is_floating_point or kv_len.dtype == torch.bool:
+        raise KernelpackError(
+            f"padded(mask_mod, kv_len): kv_len must be a 0-d integer tensor, got {tuple(kv_len.shape)} {kv_len.dtype}",
+            hint="torch.tensor(n, dtype=torch.int32, device=q.device)",
+        )
+
+    def padded_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return mask_mod(b, h, q_idx, kv_idx) & (kv_idx < kv_len)
+
+    from .signature import mask_key
+
+    padded_mask.kernelpack_mask = f"padded({mask_key(mask_mod)})"  # type: ignore[attr-defined]
+    for attr in ("per_batch", "per_head"):
+        if getattr(mask_mod, attr, False):
+            setattr(padded_mask, attr, True)
+    return padded_mask
+
+
 def identity_score(score, b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
     """The score_mod of a recipe with ``score_mod = "identity"``: the score unchanged. A call passing any function
     that computes the same (transformers' closure without softcap) is served with this one in its place."""
@@ -69,9 +101,17 @@ def score_mod_for(config: Config) -> Callable[..., Any] | None:
     return _from_factory(config.score_mod, config, "score_mod", "score_mod(score, b, h, q_idx, kv_idx) -> tensor")
 
 
-def mask_for(config: Config) -> MaskMod:
+def mask_for(config: Config, device: Any = "cpu") -> MaskMod:
     """The mask_mod a config was built with: a built-in, the function a recorded reference names, or
-    ``factory(config)`` for ``mask = "pkg.mod:factory"``."""
+    ``factory(config)`` for ``mask = "pkg.mod:factory"``; with ``[call] padded = true`` that mask :func:`padded` to
+    the config's kv_len (a tensor on ``device``)."""
+    if config.padded:
+        import dataclasses
+
+        import torch
+
+        inner = mask_for(dataclasses.replace(config, padded=False), device)
+        return padded(inner, torch.tensor(config.kv_len, dtype=torch.int32, device=device))
     if config.mask in BUILTIN:
         assert config.window is not None
         return BUILTIN[config.mask](config.window)
@@ -211,7 +251,7 @@ def eager_block_mask(
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:
     """The BlockMask of a recipe point: its mask, block size and B/H (``[call] mask_dims``)."""
-    mask_mod = mask_for(config)
+    mask_mod = mask_for(config, device)
     dims = config.mask_dims.split("+")
     for attr, dim in (("per_batch", "per-batch"), ("per_head", "per-head")):
         if getattr(mask_mod, attr, False) and dim not in dims and _dim_size(config, dim) > 1:

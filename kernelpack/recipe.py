@@ -12,7 +12,7 @@ Example (``recipes/smoke-cpu.toml``)::
     batch = 1
     q_heads = 2
     kv_heads = 2                      # != q_heads -> GQA (enable_gqa=True)
-    seq_len = [256]                   # or q_len = [...] and kv_len = [...]
+    seq_len = [256]                   # or q_len = [...] and kv_len = [...]; or a range (below)
     head_dim = 64
     dtypes = ["float32"]
     graphs = ["fwd"]                  # and/or "fwd+bwd" (CUDA only); `backward = true` means ["fwd+bwd"]
@@ -51,6 +51,16 @@ writes), each one config with every key of ``[matrix]`` (one value each), ``[cal
 
 A mask (or score_mod) given as ``{ function = "module:qualname", closure = {...} }`` is that very function, made
 again by :mod:`kernelpack.closures` with those closure values; a string is a built-in mask or a factory as above.
+
+Varying lengths: a length axis may be a range, in ``[matrix]`` and in ``[[calls]]``:
+
+- ``seq_len = { min = 1024, max = 16384, multiple = 256 }``: **buckets**, one static config per multiple of 256 from
+  the first at or above min to the first at or above max. The job pads each batch to its bucket
+  (:func:`kernelpack.runtime.padded_length`). ``q_len = {...}`` with ``kv_len = { offset = [0, 512] }`` ties kv_len
+  to q_len (kv_len = q_len + each offset) instead of a product.
+- ``seq_len = { min = 1024, max = 16384 }`` with ``[compile] dynamic = true``: **dynamic**, one graph per config that
+  serves every length in the range (``q_len`` and ``kv_len`` ranges likewise, independent). A range without
+  ``multiple`` needs ``dynamic = true``; min must be above the block size (a one-block length is its own graph).
 """
 
 from __future__ import annotations
@@ -125,6 +135,7 @@ _CALL_KEYS = (
     "return_aux",
     "mask_dims",
     "alias",
+    "padded",
 )
 # the keys of one [[calls]] table: one config, each value a scalar
 _CALLS_KEYS = (
@@ -144,6 +155,7 @@ _CALLS_KEYS = (
     *_CALL_KEYS,
 )
 _REF_KEYS = ("function", "closure", "defaults", "kwdefaults", "qualname", "line")
+_RANGE_KEYS = ("min", "max", "multiple")
 SCORE_MODS = ("none", "identity")
 # where each Config field comes from in a recipe file, for errors that name the recipe key
 _RECIPE_KEY = {
@@ -170,6 +182,9 @@ _RECIPE_KEY = {
     "return_aux": "call.return_aux",
     "mask_dims": "call.mask_dims",
     "alias": "call.alias",
+    "padded": "call.padded",
+    "q_range": "matrix.q_len",
+    "kv_range": "matrix.kv_len",
     "mask_closure": "mask",
     "score_closure": "call.score_mod",
 }
@@ -179,6 +194,9 @@ _ID_IF_SET = {
     "alias": "none",
     "mask_closure": None,
     "score_closure": None,
+    "padded": False,
+    "q_range": None,
+    "kv_range": None,
 }
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
@@ -197,6 +215,13 @@ class Config(CallParams):
     # (kernelpack.closures, canonical JSON); None: ``mask`` is a built-in or a factory.
     mask_closure: str | None = None
     score_closure: str | None = None
+    # The BlockMask's mask_mod is kernelpack.masks.padded(mask, n): keys at n and beyond masked out, n a 0-d tensor
+    # (a graph input, so one graph serves every n). For buckets of a mask that is not causal.
+    padded: bool = False
+    # A dynamic config (``dynamic`` true) covers every (q_len, kv_len) with q_len in q_range and kv_len in kv_range
+    # (inclusive); q_len and kv_len are then the lengths the builder traces at. None: exactly q_len and kv_len.
+    q_range: tuple[int, int] | None = None
+    kv_range: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         CallParams.__post_init__(self)  # not super(): zero-argument super() breaks in slots dataclasses
@@ -217,10 +242,19 @@ class Config(CallParams):
         """The declared mask with its window: for the built-in masks exactly what :func:`signature.mask_key` names
         their mask_mod (``sliding_window(1024)``)."""
         if self.mask in BUILTIN_MASKS:
-            return f"{self.mask}({self.window})"
-        if self.mask_closure is not None:
-            return closures.label({"function": self.mask, **json.loads(self.mask_closure)})
-        return self.mask if self.window is None else f"{self.mask}(window={self.window})"
+            label = f"{self.mask}({self.window})"
+        elif self.mask_closure is not None:
+            label = closures.label({"function": self.mask, **json.loads(self.mask_closure)})
+        else:
+            label = self.mask if self.window is None else f"{self.mask}(window={self.window})"
+        return f"padded({label})" if self.padded else label
+
+    def covers_lengths(self, q_len: int, kv_len: int) -> bool:
+        """Whether this config's lengths include (q_len, kv_len): its ranges for a dynamic range config, else
+        exactly its own."""
+        if self.q_range is None or self.kv_range is None:
+            return (q_len, kv_len) == (self.q_len, self.kv_len)
+        return self.q_range[0] <= q_len <= self.q_range[1] and self.kv_range[0] <= kv_len <= self.kv_range[1]
 
     def reference(self, kind: Literal["mask", "score"]) -> dict[str, Any] | None:
         """The function reference (:mod:`kernelpack.closures`) of the mask or score_mod, or None when it is a
@@ -256,6 +290,9 @@ class Config(CallParams):
         d["kernel_options"] = dict(self.kernel_options)
         d["graphs"] = list(self.graphs)
         d["block_size"] = list(self.block_size)
+        for name in ("q_range", "kv_range"):
+            value = getattr(self, name)
+            d[name] = None if value is None else list(value)
         return d
 
     @classmethod
@@ -279,12 +316,17 @@ class Config(CallParams):
         options = d.get("kernel_options", {})
         if not isinstance(options, dict):
             raise ConfigError("kernel_options", "must be a table", value=options)
-        listed = {}
+        listed: dict[str, Any] = {}
         for name, default in (("graphs", ["fwd"]), ("block_size", list(DEFAULT_BLOCK_SIZE))):
             value = d.get(name, default)
             if not isinstance(value, (list, tuple)):
                 raise ConfigError(name, "must be a list", value=value)
             listed[name] = tuple(value)
+        for name in ("q_range", "kv_range"):
+            value = d.get(name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ConfigError(name, "must be a list [min, max]", value=value)
+            listed[name] = None if value is None else tuple(value)
         return cls(**{**d, "kernel_options": tuple(sorted(options.items())), **listed})
 
     @property
@@ -295,7 +337,11 @@ class Config(CallParams):
         return hashlib.sha256(_canonical_json(d).encode()).hexdigest()[:12]
 
     def describe(self) -> str:
-        return f"{self.id} {self._describe(self.mask_label, self.device, ' & '.join(self.graphs))}"
+        text = self._describe(self.mask_label, self.device, " & ".join(self.graphs))
+        if self.q_range is not None and self.kv_range is not None:
+            (q0, q1), (k0, k1) = self.q_range, self.kv_range
+            text = text[:-1] + f" q_len {q0}..{q1} kv_len {k0}..{k1}]"
+        return f"{self.id} {text}"
 
 
 def _validate(c: Config) -> None:
@@ -376,9 +422,42 @@ def _validate(c: Config) -> None:
         )
     if c.mode not in COMPILE_MODES:
         raise ConfigError("mode", "unknown value", value=c.mode, allowed=COMPILE_MODES)
+    if not isinstance(c.padded, bool):
+        raise ConfigError("padded", "must be a boolean", value=c.padded, allowed=(True, False))
+    _check_ranges(c)
     for k, v in c.kernel_options:
         if not isinstance(v, (bool, int, float, str)):
             raise ConfigError(f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
+
+
+def _check_ranges(c: Config) -> None:
+    if (c.q_range is None) != (c.kv_range is None):
+        raise ConfigError("q_range" if c.q_range is None else "kv_range", "a dynamic range config has both ranges")
+    if c.q_range is None or c.kv_range is None:
+        return
+    if not c.dynamic:
+        raise ConfigError(
+            "q_range",
+            "a length range without `multiple` is one dynamic graph: it needs [compile] dynamic = true",
+            value=list(c.q_range),
+            allowed="add `multiple = N` for static buckets, or set [compile] dynamic = true",
+        )
+    for name, rng, length, block in (
+        ("q_range", c.q_range, c.q_len, c.block_size[0]),
+        ("kv_range", c.kv_range, c.kv_len, c.block_size[1]),
+    ):
+        if not (isinstance(rng, tuple) and len(rng) == 2 and all(map(_positive_int, rng)) and rng[0] <= rng[1]):
+            raise ConfigError(name, "must be [min, max] with 0 < min <= max", value=rng)
+        if rng[0] <= block:
+            # torch specializes a size of 1 (here: one block) into its own graph, so such lengths are another graph
+            raise ConfigError(
+                name,
+                f"a dynamic range must start above the block size ({block}): a length of one block is another graph",
+                value=rng[0],
+                allowed=f"min >= {block + 1}",
+            )
+        if not rng[0] <= length <= rng[1]:
+            raise ConfigError(name, f"the traced length {length} is outside the range", value=list(rng))
 
 
 def _check_reference(c: Config, field_name: str, name: object, closure: object) -> None:
@@ -492,25 +571,13 @@ def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config],
     q_heads = _int_axis(path, "matrix.q_heads", _required(path, "matrix.q_heads", matrix.get("q_heads")))
     kv_heads = _int_axis(path, "matrix.kv_heads", matrix.get("kv_heads", q_heads))
     head_dim = _int_axis(path, "matrix.head_dim", _required(path, "matrix.head_dim", matrix.get("head_dim")))
-    if "seq_len" in matrix:
-        if "q_len" in matrix or "kv_len" in matrix:
-            raise RecipeError(path, "matrix.seq_len", "give either seq_len or q_len and kv_len, not both")
-        lens = [(n, n) for n in _int_axis(path, "matrix.seq_len", matrix["seq_len"])]
-    elif "q_len" in matrix and "kv_len" in matrix:
-        lens = list(
-            itertools.product(
-                _int_axis(path, "matrix.q_len", matrix["q_len"]), _int_axis(path, "matrix.kv_len", matrix["kv_len"])
-            )
-        )
-    else:
-        raise RecipeError(path, "matrix.seq_len", "missing", allowed="seq_len, or both q_len and kv_len")
-    dtypes = _list(path, "matrix.dtypes", _required(path, "matrix.dtypes", matrix.get("dtypes")))
-    graphs = _graphs(path, matrix)
-
     compile_opts = _table(path, "compile", data.get("compile", {}))
     _no_unknown(path, "compile.", compile_opts, _COMPILE_KEYS)
     mode = compile_opts.get("mode", "default")
     dynamic = compile_opts.get("dynamic", False)
+    lens = _lengths(path, "matrix.", matrix, dynamic)
+    dtypes = _list(path, "matrix.dtypes", _required(path, "matrix.dtypes", matrix.get("dtypes")))
+    graphs = _graphs(path, matrix)
     kernel_options = _table(path, "kernel_options", data.get("kernel_options", {}))
     call = _table(path, "call", data.get("call", {}))
     _no_unknown(path, "call.", call, _CALL_KEYS)
@@ -528,6 +595,8 @@ def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config],
                 kv_heads=kh,
                 q_len=ql,
                 kv_len=kl,
+                q_range=qr,
+                kv_range=kr,
                 head_dim=hd,
                 dtype=dt,
                 graphs=graphs,
@@ -539,14 +608,14 @@ def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config],
                 score_closure=score_closure,
                 **call_params,
             )
-            for dt, (ql, kl), w, b, qh, kh, hd, layout in itertools.product(
+            for dt, (ql, kl, qr, kr), w, b, qh, kh, hd, layout in itertools.product(
                 dtypes, lens, windows, batch, q_heads, kv_heads, head_dim, layouts
             )
         ]
     except ConfigError as e:
         head, _, rest = e.field.partition(".")
         key = _RECIPE_KEY.get(head, head) + (f".{rest}" if rest else "")
-        if head in ("q_len", "kv_len") and "seq_len" in matrix:
+        if head in ("q_len", "kv_len", "q_range", "kv_range") and "seq_len" in matrix:
             key = "matrix.seq_len"
         if head == "graphs" and "backward" in matrix:
             key = "matrix.backward"
@@ -562,7 +631,8 @@ def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config],
             "batch": batch,
             "q_heads": q_heads,
             "kv_heads": kv_heads,
-            "lens": [list(x) for x in lens],
+            # [q, kv] per point; a dynamic range point adds its ranges: [q, kv, q_min, q_max, kv_min, kv_max]
+            "lens": [[q, kv, *(qr or ()), *(kr or ())] for q, kv, qr, kr in lens],
             "head_dim": head_dim,
             "dtypes": dtypes,
             "graphs": list(graphs),
@@ -631,20 +701,14 @@ def _calls(path: str, items: object, device: str) -> list[Config]:
         mask, mask_closure = _function_or_name(path, f"{where}.mask", _required(path, f"{where}.mask", t.get("mask")))
         params = _call_params(t)
         score_mod, score_closure = _function_or_name(path, f"{where}.score_mod", params.pop("score_mod"))
-        if "seq_len" in t:
-            if "q_len" in t or "kv_len" in t:
-                raise RecipeError(path, f"{where}.seq_len", "give either seq_len or q_len and kv_len, not both")
-            q_len = kv_len = t["seq_len"]
-        else:
-            q_len = _required(path, f"{where}.q_len", t.get("q_len"))
-            kv_len = _required(path, f"{where}.kv_len", t.get("kv_len"))
+        lens = _lengths(path, f"{where}.", t, t.get("dynamic", False))
         q_heads = _required(path, f"{where}.q_heads", t.get("q_heads"))
         graphs = t.get("graphs", ["fwd"])
         options = _table(path, f"{where}.kernel_options", t.get("kernel_options", {}))
         try:
             if not isinstance(graphs, list):
                 raise ConfigError("graphs", "must be a list", value=graphs, allowed=GRAPHS)
-            configs.append(
+            configs += [
                 Config(
                     device=device,  # type: ignore[arg-type]
                     mask=mask,
@@ -653,8 +717,10 @@ def _calls(path: str, items: object, device: str) -> list[Config]:
                     batch=t.get("batch", 1),
                     q_heads=q_heads,  # type: ignore[arg-type]
                     kv_heads=t.get("kv_heads", q_heads),
-                    q_len=q_len,  # type: ignore[arg-type]
-                    kv_len=kv_len,  # type: ignore[arg-type]
+                    q_len=q_len,
+                    kv_len=kv_len,
+                    q_range=q_range,
+                    kv_range=kv_range,
                     head_dim=_required(path, f"{where}.head_dim", t.get("head_dim")),  # type: ignore[arg-type]
                     dtype=_required(path, f"{where}.dtype", t.get("dtype")),  # type: ignore[arg-type]
                     graphs=tuple(graphs),
@@ -666,16 +732,128 @@ def _calls(path: str, items: object, device: str) -> list[Config]:
                     score_closure=score_closure,
                     **params,
                 )
-            )
+                for q_len, kv_len, q_range, kv_range in lens
+            ]
         except ConfigError as e:
             head, _, rest = e.field.partition(".")
-            key = {"mask_closure": "mask", "score_closure": "score_mod"}.get(head, head)
-            if head in ("q_len", "kv_len") and "seq_len" in t:
+            key = {"mask_closure": "mask", "score_closure": "score_mod", "q_range": "q_len", "kv_range": "kv_len"}.get(
+                head, head
+            )
+            if key in ("q_len", "kv_len") and "seq_len" in t:
                 key = "seq_len"
             raise RecipeError(
                 path, f"{where}.{key}" + (f".{rest}" if rest else ""), e.reason, value=e.value, allowed=e.allowed
             ) from None
     return configs
+
+
+# one point of a recipe's lengths: (q_len, kv_len, q_range, kv_range); ranges only for a dynamic range
+Lengths = list[tuple[int, int, "tuple[int, int] | None", "tuple[int, int] | None"]]
+MAX_BUCKETS = 4096
+
+
+def _lengths(path: str, prefix: str, table: dict[str, Any], dynamic: object) -> Lengths:
+    """A table's length keys as points: ``seq_len`` (q_len == kv_len), or ``q_len`` with ``kv_len`` (a product of
+    lists, or kv_len tied to q_len by ``{ offset = ... }``); each an integer, a list, buckets ``{ min, max, multiple
+    }`` or, with ``dynamic = true``, a range ``{ min, max }``."""
+    if "seq_len" in table:
+        if "q_len" in table or "kv_len" in table:
+            raise RecipeError(path, f"{prefix}seq_len", "give either seq_len or q_len and kv_len, not both")
+        axis = _length_axis(path, f"{prefix}seq_len", table["seq_len"], dynamic)
+        if isinstance(axis, tuple):
+            n = _traced_length(axis)
+            return [(n, n, axis, axis)]
+        return [(n, n, None, None) for n in axis]
+    if "q_len" not in table or "kv_len" not in table:
+        missing = (
+            "seq_len" if "q_len" not in table and "kv_len" not in table else "kv_len" if "q_len" in table else "q_len"
+        )
+        raise RecipeError(path, f"{prefix}{missing}", "missing", allowed="seq_len, or both q_len and kv_len")
+    q_axis = _length_axis(path, f"{prefix}q_len", table["q_len"], dynamic)
+    kv_value = table["kv_len"]
+    if isinstance(kv_value, dict) and "offset" in kv_value:
+        _no_unknown(path, f"{prefix}kv_len.", kv_value, ("offset",))
+        if isinstance(q_axis, tuple):
+            raise RecipeError(
+                path,
+                f"{prefix}kv_len.offset",
+                "a dynamic q_len range takes a kv_len range, not an offset",
+                allowed="kv_len = { min = ..., max = ... }",
+            )
+        offsets = _list(path, f"{prefix}kv_len.offset", kv_value["offset"])
+        for o in offsets:
+            if isinstance(o, bool) or not isinstance(o, int):
+                raise RecipeError(path, f"{prefix}kv_len.offset", "must be an integer or a list of them", value=o)
+        points: Lengths = [(q, q + o, None, None) for q in q_axis for o in offsets]
+        for q, kv, _, _ in points:
+            if kv <= 0:
+                raise RecipeError(path, f"{prefix}kv_len.offset", f"gives kv_len {kv} for q_len {q}", value=kv - q)
+        return points
+    kv_axis = _length_axis(path, f"{prefix}kv_len", kv_value, dynamic)
+    if isinstance(q_axis, tuple) or isinstance(kv_axis, tuple):
+        if not (isinstance(q_axis, tuple) and isinstance(kv_axis, tuple)):
+            raise RecipeError(
+                path,
+                f"{prefix}{'kv_len' if isinstance(q_axis, tuple) else 'q_len'}",
+                "with a dynamic range, q_len and kv_len are both ranges { min, max }",
+            )
+        return [(_traced_length(q_axis), _traced_length(kv_axis), q_axis, kv_axis)]
+    if isinstance(table["q_len"], dict) and isinstance(kv_value, dict):
+        raise RecipeError(
+            path,
+            f"{prefix}kv_len",
+            "two bucket ranges would make every (q_len, kv_len) pair; tie kv_len to q_len instead",
+            allowed="kv_len = { offset = N } or { offset = [N, ...] } (kv_len = q_len + offset), or a list",
+        )
+    return [(q, kv, None, None) for q, kv in itertools.product(q_axis, kv_axis)]
+
+
+def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[int] | tuple[int, int]:
+    """An integer or a list of them; buckets ``{ min, max, multiple }`` (every multiple from the first at or above
+    min to the first at or above max); or, with dynamic = true, a range ``{ min, max }`` (returned as a tuple)."""
+    if not isinstance(value, dict):
+        return _int_axis(path, key, value)
+    _no_unknown(path, f"{key}.", value, _RANGE_KEYS)
+    lo, hi = (_required(path, f"{key}.{k}", value.get(k)) for k in ("min", "max"))
+    for k, v in (("min", lo), ("max", hi)):
+        if not _positive_int(v):
+            raise RecipeError(path, f"{key}.{k}", "must be a positive integer", value=v)
+    assert isinstance(lo, int) and isinstance(hi, int)
+    if lo > hi:
+        raise RecipeError(path, f"{key}.max", f"is below min ({lo})", value=hi)
+    multiple = value.get("multiple")
+    if multiple is None:
+        if dynamic is not True:
+            raise RecipeError(
+                path,
+                key,
+                "a range without `multiple` is one dynamic graph: it needs [compile] dynamic = true",
+                value=value,
+                allowed="add `multiple = N` (static buckets: the job pads each batch to one), or set "
+                "[compile] dynamic = true",
+            )
+        return (lo, hi)
+    if not _positive_int(multiple):
+        raise RecipeError(path, f"{key}.multiple", "must be a positive integer", value=multiple)
+    if dynamic is True:
+        raise RecipeError(
+            path,
+            f"{key}.multiple",
+            "makes static buckets, but [compile] dynamic = true asks for one dynamic graph",
+            allowed="drop `multiple` (one dynamic graph for the range) or set dynamic = false (buckets)",
+        )
+    buckets = list(range(-(-lo // multiple) * multiple, -(-hi // multiple) * multiple + 1, multiple))
+    if len(buckets) > MAX_BUCKETS:
+        raise RecipeError(
+            path, f"{key}.multiple", f"makes {len(buckets)} buckets (at most {MAX_BUCKETS})", value=multiple
+        )
+    return buckets
+
+
+def _traced_length(rng: tuple[int, int]) -> int:
+    """The length a dynamic range is traced at: the middle. Any length of the range gives the same graph (kernelpack
+    traces without duck sizing, see :func:`kernelpack.compiled.trace_settings`); the builder checks its ends."""
+    return (rng[0] + rng[1]) // 2
 
 
 def _graphs(path: str, matrix: dict[str, Any]) -> tuple[Graph, ...]:

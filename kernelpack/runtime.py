@@ -60,6 +60,7 @@ from .compiled import (
     key_settings_differences,
     recompile_floor_for,
     serving_entry,
+    trace_settings,
     wait_for_foreign_fx_trace,
 )
 from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
@@ -218,6 +219,9 @@ class Activation:
     strict: bool
     install: InstallResult | None = None  # None: activated without an artifact (non-strict)
     warmup: Warmup | None = None  # None: no warm-up, first calls trace at the gate
+    # the compile modes of the artifact's dynamic range configs: kernelpack.flex_attention serves a call one of them
+    # covers with the dynamic graph
+    dynamic_modes: frozenset[str] = frozenset()
 
     @property
     def manifest(self) -> Manifest | None:
@@ -263,6 +267,7 @@ class Warmup:
         self.served_by: frozenset[Any] = frozenset()  # those entries: what may serve a call during training
         self.masks: dict[str, list[Any]] = {}  # the warmed mask functions, by the key of their graph
         self.score_mods: dict[str, list[Any]] = {}  # the warmed score_mods, likewise
+        self.by_entry: dict[Any, CallSignature] = {}  # served_by's entries -> the signature each was warmed for
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -299,6 +304,8 @@ class _State:
     warned_sites: set[str] = field(default_factory=set)  # call sites warned of a compile kernelpack only observed
     since: int = 0  # evidence records from this mark on are this activation's
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # after a warm-up, per warmed signature: [calls served, q min, q max, kv min, kv max]
+    served: dict[CallSignature, list[int]] = field(default_factory=dict)
 
 
 _state = _State()
@@ -363,7 +370,10 @@ def activate(
         )
         _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
         warm = Warmup(background=warmup == "background") if warmup else None
-        activation = Activation(artifact=result.artifact, strict=strict, install=result, warmup=warm)
+        dynamic_modes = frozenset(c.config.mode for c in result.manifest.configs if c.config.q_range is not None)
+        activation = Activation(
+            artifact=result.artifact, strict=strict, install=result, warmup=warm, dynamic_modes=dynamic_modes
+        )
     # only now: a failed activate() leaves the previous one in force
     _state = state = _State(active=activation, since=evidence.next_seq())
     evidence.watch_compiles(_observed, _refuse_foreign_compile)
@@ -448,6 +458,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
                 for sig in sigs:
                     _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
+        warm.by_entry = {e: sig for sig, e in warm.entries.items() if e is not None}
     except BaseException as e:
         warm.error = e
         if not warm.background:
@@ -484,7 +495,7 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
     config = built.config
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
-    with gate.exclusive():
+    with gate.exclusive(), trace_settings(config.dynamic):
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
             canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
             if config.device == "cuda":
@@ -497,6 +508,64 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
         state.first_calls.append(
             FirstCall(sig, config.id, threading.current_thread().name, measured.seconds, measured.counters, True)
         )
+
+
+# ------------------------------------------------------------------------------------------------ lengths
+
+
+def padded_length(n: int) -> int:
+    """The length to pad a sequence of ``n`` tokens to (q_len == kv_len) so that the active artifact serves it:
+    ``n`` itself when a dynamic range covers it, else the smallest bucket at or above ``n`` (``seq_len = { min, max,
+    multiple }``). Pad q, k and v at the end (the README's "Varying lengths" shows a training step), and drop the
+    padded query rows of the output. Raises :class:`KernelpackError` when nothing covers ``n``."""
+    return padded_lengths(n, n, tied=True)
+
+
+def padded_lengths(q_len: int, kv_len: int, *, tied: bool = False) -> Any:
+    """(q_len, kv_len) padded to what the active artifact serves: themselves when a dynamic range covers them, else
+    the smallest covered (bucket q_len, bucket kv_len) at or above them. ``tied``: only q_len == kv_len points, and
+    return the one length."""
+    manifest = _state.active.manifest if _state.active is not None else None
+    if manifest is None:
+        raise KernelpackError(
+            "padded_length() reads the buckets of the active artifact, and none is active",
+            hint="call kernelpack.runtime.activate(artifact) first",
+        )
+    for n in (q_len, kv_len):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise KernelpackError(f"padded_length({n!r}): a length is a positive int", hint="pass the batch's length")
+    best: tuple[int, int] | None = None
+    longest = 0
+    for built in manifest.configs:
+        c = built.config
+        if c.q_range is not None and c.kv_range is not None:
+            if c.covers_lengths(q_len, kv_len) and not (tied and q_len != kv_len):
+                return q_len if tied else (q_len, kv_len)
+            longest = max(longest, c.q_range[1])
+            continue
+        if tied and c.q_len != c.kv_len:
+            continue
+        longest = max(longest, c.q_len)
+        if (
+            c.q_len >= q_len
+            and c.kv_len >= kv_len
+            and (
+                best is None
+                or (c.q_len * c.kv_len, c.q_len)
+                < (
+                    best[0] * best[1],
+                    best[0],
+                )
+            )
+        ):
+            best = (c.q_len, c.kv_len)
+    if best is None:
+        asked = f"{q_len} tokens" if tied else f"q_len {q_len}, kv_len {kv_len}"
+        raise KernelpackError(
+            f"{manifest.name} has no bucket or range that holds {asked} (the longest covered q_len is {longest})",
+            hint="truncate or drop longer sequences, or raise the recipe's seq_len max (or q_len / kv_len) and rebuild",
+        )
+    return best[0] if tied else best
 
 
 # ------------------------------------------------------------------------------------------------ the guard
@@ -636,16 +705,21 @@ def _serve(
     # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
-    hit = dynamo_hit(arguments, warm.served_by, mode, dynamic)
-    if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
-        hit = _signature(mode, dynamic, arguments) in warm.signatures
-    if hit:
-        with evidence.tagged(_SERVED):
-            return fn(**arguments)
-    same = _with_warmed_mods(warm, arguments, mode, dynamic)
-    if same is not None:
-        with evidence.tagged(_SERVED):
-            return fn(**same)
+    # the static graphs first (faster kernels), then the dynamic ones of the artifact's range configs
+    options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
+    for m, d in options:
+        hit = dynamo_hit(arguments, warm.served_by, m, d)
+        if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
+            hit = _warmed_signature(active, warm, _signature(m, d, arguments))
+        if hit:
+            _count_served(state, warm.by_entry.get(hit, hit), arguments)
+            with evidence.tagged(_SERVED):
+                return compiled_flex_attention(m, d)(**arguments)
+    for m, d in options:
+        same = _with_warmed_mods(warm, arguments, m, d)
+        if same is not None:
+            with evidence.tagged(_SERVED):
+                return compiled_flex_attention(m, d)(**same)
     sig = _signature(mode, dynamic, arguments)
     coverage = active.covers(sig)
     error: KernelpackError
@@ -660,6 +734,32 @@ def _serve(
     with state.lock:
         state.refused.append((sig, why))
     raise error
+
+
+def _warmed_signature(active: Activation, warm: Warmup, sig: CallSignature) -> CallSignature | None:
+    """Where torch cannot run Dynamo's guards: the warmed signature that serves ``sig`` (itself, or the traced call of
+    the dynamic range config that covers it), or None."""
+    if sig in warm.signatures:
+        return sig
+    coverage = active.covers(sig)
+    if coverage.entry is not None and coverage.entry.config.q_range is not None:
+        traced = Manifest.traced(sig, coverage.entry)
+        return traced if traced in warm.signatures else None
+    return None
+
+
+def _count_served(state: _State, sig: Any, arguments: Mapping[str, Any]) -> None:
+    """One served call, under the warmed signature that served it: which graph served which lengths (report)."""
+    if not isinstance(sig, CallSignature):
+        return
+    q, kv = int(arguments["query"].shape[-2]), int(arguments["key"].shape[-2])
+    with state.lock:
+        seen = state.served.get(sig)
+        if seen is None:
+            state.served[sig] = [1, q, q, kv, kv]
+        else:
+            seen[0] += 1
+            seen[1], seen[2], seen[3], seen[4] = min(seen[1], q), max(seen[2], q), min(seen[3], kv), max(seen[4], kv)
 
 
 def _with_warmed_mods(warm: Warmup, arguments: dict[str, Any], mode: str, dynamic: bool) -> dict[str, Any] | None:
@@ -778,6 +878,11 @@ def _first_call_at_the_gate(
     import torch
 
     sig = _signature(mode, dynamic, arguments)
+    coverage = active.covers(sig) if active is not None else None
+    if coverage is not None and coverage.entry is not None and coverage.entry.config.q_range is not None:
+        # a dynamic range config covers it: its one dynamic graph, whose first call is the config's
+        sig = Manifest.traced(sig, coverage.entry)
+        fn, dynamic = compiled_flex_attention(mode, True), True
     limit = settings.backward_wait_seconds() if in_backward() else None
     if sig in state.ready:
         with gate.shared(limit), evidence.tagged(_Call("kernelpack.flex_attention", sig)):
@@ -788,8 +893,7 @@ def _first_call_at_the_gate(
             with evidence.tagged(_Call("kernelpack.flex_attention", sig)):
                 return fn(**arguments)
         config_id = None
-        if active is not None:
-            coverage = active.covers(sig)
+        if active is not None and coverage is not None:
             if coverage.entry is not None:
                 config_id = coverage.entry.id
             elif active.strict:
@@ -801,7 +905,7 @@ def _first_call_at_the_gate(
                     stacklevel=4,
                 )
         wait_for_foreign_fx_trace(limit)
-        with _measured(_Call("kernelpack.flex_attention", sig)) as measured:
+        with _measured(_Call("kernelpack.flex_attention", sig)) as measured, trace_settings(dynamic):
             out = fn(**arguments)
             if sig.device_index is not None:
                 torch.cuda.synchronize(arguments["query"].device)
@@ -1012,6 +1116,9 @@ class RuntimeReport:
     compiles: list[evidence.CompileRecord] = field(default_factory=list)  # every compile torch made, any code path
     dense: list[evidence.DenseRecord] = field(default_factory=list)  # every dense flex_attention call
     compile_detection: str = ""  # how compiles were seen (evidence.compile_detection)
+    # after a warm-up, which warmed graph served which calls: (the warmed signature, its config, calls, the lengths
+    # served as (q min, q max, kv min, kv max))
+    served: list[tuple[CallSignature, str | None, int, tuple[int, int, int, int]]] = field(default_factory=list)
 
     @property
     def compiled(self) -> list[FirstCall]:
@@ -1072,6 +1179,17 @@ class RuntimeReport:
             "compiles": [_compile_dict(r) for r in self.compiles],
             "dense": [{**evidence.fields_of(d), "path": _path(d)} for d in self.dense],
             "refused": [{"call": sig.describe(), "why": why} for sig, why in self.refused],
+            "served": [
+                {
+                    "graph": sig.describe(),
+                    "config": config_id,
+                    "dynamic": sig.dynamic,
+                    "calls": calls,
+                    "q_len": [lens[0], lens[1]],
+                    "kv_len": [lens[2], lens[3]],
+                }
+                for sig, config_id, calls, lens in self.served
+            ],
         }
 
 
@@ -1120,7 +1238,17 @@ def report() -> RuntimeReport:
     for record in compiles:  # compiles made before the runtime saw them (watch installed late): attribute now
         if record.note is None and not isinstance(record.tag, _Call):
             record.note = _observe(state, record, None)
+    active = state.active
     with state.lock:
+        served = [
+            (
+                sig,
+                c.id if active is not None and (c := active.covers(sig).entry) is not None else None,
+                seen[0],
+                (seen[1], seen[2], seen[3], seen[4]),
+            )
+            for sig, seen in state.served.items()
+        ]
         return RuntimeReport(
             list(state.first_calls),
             list(state.refused),
@@ -1128,6 +1256,7 @@ def report() -> RuntimeReport:
             compiles,
             evidence.dense_records(since),
             evidence.compile_detection,
+            served,
         )
 
 

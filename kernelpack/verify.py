@@ -21,7 +21,7 @@ from . import _worker, evidence
 from . import artifact as art
 from .errors import VerifyError
 from .installer import install_artifact
-from .workload import check_errors, run_config
+from .workload import check_errors, range_lengths, run_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,9 +30,16 @@ class VerifyReport:
 
 
 def verify_artifact(
-    artifact: str | os.PathLike[str], *, seed: int | None = None, check: bool = False, timeout: float = 3600.0
+    artifact: str | os.PathLike[str],
+    *,
+    seed: int | None = None,
+    check: bool = False,
+    timeout: float = 3600.0,
+    lengths: int = 20,
 ) -> VerifyReport:
-    """Raises :class:`VerifyError` when any config compiled something; returns the report otherwise."""
+    """Raises :class:`VerifyError` when any config compiled something; returns the report otherwise. A dynamic range
+    config is also called at both ends of its ranges and at ``lengths`` random lengths in them (not multiples of 128),
+    in the same fresh process: none of these calls may trace or compile."""
     path = str(artifact)
     art.read_manifest(path)  # fail fast, before starting torch, on a missing or corrupt file
     seed = random.randrange(2**31) if seed is None else seed
@@ -41,7 +48,7 @@ def verify_artifact(
         env = _worker.fresh_cache_env(Path(tmp, "cache"), TORCHINDUCTOR_COMPILE_THREADS="1")
         outcome = _worker.run(
             "kernelpack.verify",
-            {"artifact": os.path.abspath(path), "seed": seed, "check": check},
+            {"artifact": os.path.abspath(path), "seed": seed, "check": check, "lengths": lengths},
             workdir=Path(tmp, "worker"),
             env=env,
             timeout=timeout,
@@ -63,6 +70,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     path, seed, check = payload["artifact"], int(payload["seed"]), bool(payload["check"])
+    n_lengths = int(payload.get("lengths", 20))
     evidence.install_hooks()
     report: dict[str, Any] = {
         "artifact": path,
@@ -80,9 +88,12 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         config = built.config
         device = "cpu" if config.device == "cpu" else f"cuda:{index}"
         before = evidence.snapshot()
-        call = run_config(config, device, check=check)
+        call = run_config(config, device, check=check, lengths=range_lengths(config, n_lengths, seed))
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
+        retraced = call.lengths_counters.get("frames.ok", 0)
+        if retraced:
+            reasons.append(f"Dynamo traced {retraced} more graph(s) at other lengths of its range")
         if call.mask_key != built.mask_key:
             reasons.append(f"mask_mod computes {call.mask_key!r} here, {built.mask_key!r} in the builder")
         if call.score_key != built.score_key:
@@ -97,6 +108,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 "seconds": call.seconds,
                 "errors": call.errors,
                 "counters": d,
+                "lengths": [list(x) for x in call.lengths],
                 "reasons": reasons,
             }
         )

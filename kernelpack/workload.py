@@ -6,12 +6,15 @@ Builder and verifier both call :func:`run_config`, so what is verified is exactl
 
 from __future__ import annotations
 
+import dataclasses
+import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .canonical import call as canonical_call
 from .canonical import grad_output, make_inputs
+from .evidence import delta, snapshot
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import SCORE_MODS
 from .runtime import flex_attention, guarded
@@ -33,12 +36,57 @@ class CallResult:
     errors: dict[str, float]  # relative error per graph and output/gradient, "fwd+bwd:dq" (empty when not checked)
     mask_key: str  # what the call's mask_mod computes (signature.mask_key): the manifest records it
     score_key: str = ""  # what its score_mod computes (signature.score_mod_key), for a score_mod factory
+    # a dynamic range config: the other (q_len, kv_len) called after the traced one, and what those calls traced
+    # (Dynamo frames) or compiled; none of it may happen: one graph serves the range
+    lengths: list[tuple[int, int]] = field(default_factory=list)
+    lengths_counters: dict[str, int] = field(default_factory=dict)
 
 
-def run_config(config: Config, device: Any, *, check: bool = True) -> CallResult:
+def range_lengths(config: Config, n: int, seed: int) -> list[tuple[int, int]]:
+    """Lengths a dynamic range config is checked at, besides its traced one: both ends of its ranges, then ``n``
+    random lengths that are not multiples of 128 where the range has such (seeded)."""
+    if config.q_range is None or config.kv_range is None:
+        return []
+    (q0, q1), (k0, k1) = config.q_range, config.kv_range
+    tied = config.q_range == config.kv_range and config.q_len == config.kv_len
+    rng = random.Random(seed)
+
+    def draw(lo: int, hi: int) -> int:
+        for _ in range(16):
+            x = rng.randint(lo, hi)
+            if x % 128:
+                break
+        return x
+
+    out = [(q0, k0), (q1, k1)]
+    for _ in range(n):
+        q = draw(q0, q1)
+        out.append((q, q) if tied else (q, draw(k0, k1)))
+    return [x for i, x in enumerate(out) if x not in out[:i] and x != (config.q_len, config.kv_len)]
+
+
+def run_config(
+    config: Config, device: Any, *, check: bool = True, lengths: list[tuple[int, int]] | None = None
+) -> CallResult:
     """The canonical calls of every graph of the config (:mod:`kernelpack.canonical`): fresh inputs, the canonical
-    BlockMask, forward (+ backward), then the reference check."""
-    # The public wrapper for the default options, so that verify proves what users call.
+    BlockMask, forward (+ backward), then the reference check. For a dynamic range config, then the same calls at
+    each of ``lengths`` (in its ranges), counting what they traced or compiled; checked against the reference at the
+    ends of the ranges."""
+    result = _run_config(config, device, check=check)
+    if not lengths:
+        return result
+    before = snapshot()
+    for i, (q, kv) in enumerate(lengths):
+        at = dataclasses.replace(config, q_len=q, kv_len=kv)
+        errors = _run_config(at, device, check=check and i < 2).errors
+        result.errors.update({f"{k}@{q}x{kv}": v for k, v in errors.items()})
+    return dataclasses.replace(result, lengths=list(lengths), lengths_counters=delta(before, snapshot()))
+
+
+def _run_config(config: Config, device: Any, *, check: bool) -> CallResult:
+    # The public wrapper for the default options, so that verify proves what users call. A dynamic range config is
+    # called through it too: it picks the dynamic graph for a call the active artifact's range covers, and in the
+    # builder (nothing active) guarded(dynamic=True) is the same compiled callable.
     fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else guarded(config.mode, config.dynamic)
     bm = block_mask_for(config, device)
     errors: dict[str, float] = {}
@@ -112,7 +160,7 @@ def reference_attention(
     """
     import torch
 
-    mask_mod = mask_for(config)
+    mask_mod = mask_for(config, q.device)
     score_mod = score_mod_for(config)
     dev = q.device
     q64, k64, v64 = (t.detach().double() for t in (q, k, v))

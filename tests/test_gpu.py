@@ -85,12 +85,15 @@ def test_threads_with_gradient_checkpointing_compile_nothing_and_never_hang(gpu_
         assert r["warmup_calls"] == 2 * r["configs"] and r["warmup_compiled"] == []
 
 
-def _checkpoint_runs(artifact: Path, modes: tuple[str, ...], tmp_path: Path, block: str = "canonical") -> list[dict]:
+def _checkpoint_runs(
+    artifact: Path, modes: tuple[str, ...], tmp_path: Path, block: str = "canonical", random_steps: int = 0
+) -> list[dict]:
     """One run per mode of bench/checkpoint_threads.py (3 threads, a fresh process each bounded by 120 s), each
     checked to have completed with no error, no refusal, and nothing compiled or traced during the steps."""
     out = tmp_path / "ckpt.json"
     script = Path(__file__).parent.parent / "bench" / "checkpoint_threads.py"
     args = ["--modes", ",".join(modes), "--runs", "1", "--threads", "3", "--timeout", "120", "--block", block]
+    args += ["--random-steps", str(random_steps)]
     subprocess.run(
         [sys.executable, str(script), "--artifact", str(artifact), *args, "--out", str(out)], check=True, timeout=600
     )
@@ -192,3 +195,35 @@ def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path:
     out = subprocess.run(replay, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["compiles_in_steps"] == 0 and result["misses_in_steps"] == 0, result
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "buckets"])
+def test_a_transformers_model_trains_at_random_lengths_with_no_compile(kind: str, tmp_path: Path) -> None:
+    """Issue 17 on CUDA: a tiny Mistral's recipe over lengths 200..1000, as one dynamic graph or as buckets of 256;
+    verify (for the dynamic one, 20 random lengths in a fresh process); then a fresh process trains 12 steps at
+    random lengths (padded to the buckets for the bucketed one) and compiles nothing, and 3 threads with reentrant
+    gradient checkpointing at random lengths compile nothing."""
+    pytest.importorskip("transformers")
+    bench = Path(__file__).parent.parent / "bench"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(bench), os.environ.get("PYTHONPATH", "")]))
+    recipe = tmp_path / "varlen.toml"
+    script = [sys.executable, str(bench / "varlen_train.py"), "--tiny", "--min", "200", "--max", "1000"]
+    extra = ["--multiple", "256"] if kind == "buckets" else []
+    subprocess.run([*script, "--write-recipe", str(recipe), "--graphs", "fwd,fwd+bwd", *extra], env=env, check=True)
+    built = build(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed
+    report = verify(built.artifact).data
+    if kind == "dynamic":
+        assert len(report["configs"]) == 1 and len(report["configs"][0]["lengths"]) >= 20, report
+    else:
+        assert len(report["configs"]) == 4, report  # 256, 512, 768, 1024
+    run = [*script, "--artifact", str(built.artifact), "--steps", "12"]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["compiles_in_steps"] == 0 and result["misses_in_steps"] == 0, result
+    assert result["padded"] == (kind == "buckets"), result
+    lengths = {s["len"] for s in result["steps"]}
+    assert len(lengths) > 3 and (kind == "dynamic") == any(n % 256 for n in lengths), result
+    assert {s["dynamic"] for s in result["served"]} == {kind == "dynamic"}, result
+    (ckpt,) = _checkpoint_runs(built.artifact, ("reentrant",), tmp_path, block="tf", random_steps=3)
+    assert len(set(ckpt["lengths"])) > 3, ckpt

@@ -26,7 +26,7 @@ Tested with transformers 5.17 (``kernelpack[transformers]``); the attention func
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import KernelpackError
@@ -259,7 +259,7 @@ def causal_mask(config: Config) -> Callable[..., Any]:
 def recipe_for(
     model_config: Any,
     *,
-    seq_lens: Sequence[int],
+    seq_lens: Sequence[int] | Mapping[str, int],
     dtype: str = "bfloat16",
     device: str = "cuda",
     batch: int = 1,
@@ -270,7 +270,11 @@ def recipe_for(
     """The recipe (TOML text) of the attention calls a transformers model config makes through
     ``attn_implementation="kernelpack"``: heads, head_dim, the sliding window, the scaling, GQA as transformers
     passes it, the layout (q/k/v transposed views; with ``use_cache`` k and v come contiguous from the cache), the
-    lse on CUDA. One recipe per mask: a model that mixes full and sliding-window layers needs one of each."""
+    lse on CUDA. One recipe per mask: a model that mixes full and sliding-window layers needs one of each.
+
+    ``seq_lens`` is a list of lengths, or a range: ``{"min": 1024, "max": 16384, "multiple": 512}`` (static buckets:
+    pad each batch to :func:`kernelpack.runtime.padded_length`, labels -100 on the padding; a causal model needs
+    no attention mask for it) or ``{"min": 1024, "max": 16384}`` (one dynamic graph, ``[compile] dynamic = true``)."""
     q_heads = int(model_config.num_attention_heads)
     kv_heads = int(getattr(model_config, "num_key_value_heads", None) or q_heads)
     head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // q_heads)
@@ -314,7 +318,7 @@ def recipe_for(
         f"batch = {batch}",
         f"q_heads = {q_heads}",
         f"kv_heads = {kv_heads}",
-        f"seq_len = [{', '.join(str(int(n)) for n in seq_lens)}]",
+        f"seq_len = {_lengths(seq_lens)}",
         f"head_dim = {head_dim}",
         f'dtypes = ["{dtype}"]',
         f"graphs = [{', '.join(f'{g!r}' for g in graphs)}]".replace("'", '"'),
@@ -328,7 +332,21 @@ def recipe_for(
     ]
     if device == "cuda":
         lines.append('return_aux = "lse"' if _has_aux() else "return_lse = true")
+    if isinstance(seq_lens, Mapping) and "multiple" not in seq_lens:
+        lines += ["", "[compile]", "dynamic = true"]
     return "\n".join(lines) + "\n"
+
+
+def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
+    if isinstance(seq_lens, Mapping):
+        unknown = sorted(set(seq_lens) - {"min", "max", "multiple"})
+        if unknown or not {"min", "max"} <= set(seq_lens):
+            raise KernelpackError(
+                f"recipe_for: seq_lens {dict(seq_lens)!r} is not a range",
+                hint='{"min": 1024, "max": 16384} (dynamic) or {"min": ..., "max": ..., "multiple": 512} (buckets)',
+            )
+        return "{ " + ", ".join(f"{k} = {int(v)}" for k, v in seq_lens.items()) + " }"
+    return f"[{', '.join(str(int(n)) for n in seq_lens)}]"
 
 
 def _has_aux() -> bool:
