@@ -71,6 +71,13 @@ if [[ $what == varlen-bg ]]; then
   for _ in $(seq 1 ${COLLECT_POLLS:-105}); do [[ -f /tmp/vl/arms-done ]] && break; sleep 5; done
   tail -4 /tmp/vl/build-*.log; tail -c 1500 /tmp/vl/varlen.jsonl
 fi
+if [[ $what == varlen-ckpt ]]; then  # the checkpointing proof alone: dynamic recipe built, 3 threads, random lengths
+  rm -rf /tmp/vlc; mkdir -p /tmp/vlc
+  python3 bench/varlen_train.py --write-recipe /tmp/vlc/dynamic.toml --graphs fwd,fwd+bwd > /dev/null
+  python3 -m kernelpack.cli build /tmp/vlc/dynamic.toml -o /tmp/vlc --jobs 2 2>&1 | tail -1
+  python3 bench/checkpoint_threads.py --artifact /tmp/vlc/*.kpack --block tf --threads 3 --timeout 100 \
+    --modes ${CKPT_MODES:-reentrant,nonreentrant} --runs 1 --random-steps 4 --out "$OUT/ckpt-dynamic.json" 2>&1 | tail -4
+fi
 if [[ $what == varlen-collect ]]; then  # every small file of the run, in one tarball (8 files come back at most)
   [[ -d /tmp/vl ]] || { echo "no background run in /tmp/vl on this machine (it went cold)"; exit 3; }
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/vl/done ]] && break; sleep 5; done
