@@ -663,6 +663,7 @@ def _call_params(call: dict[str, Any]) -> dict[str, Any]:
         "return_aux": call.get("return_aux", "none"),
         "mask_dims": call.get("mask_dims", "broadcast"),
         "alias": call.get("alias", "none"),
+        "padded": call.get("padded", False),
     }
     if "enable_gqa" in call:
         params["enable_gqa"] = call["enable_gqa"]

@@ -951,6 +951,72 @@ def backward_wait(artifact: str, cache: str) -> dict[str, Any]:
     return out
 
 
+def random_lengths(artifact: str, cache: str) -> dict[str, Any]:
+    """Issue 17: strict activate() of a range artifact, then 24 calls at random real lengths (not multiples of 128):
+    a dynamic range serves each as it is; buckets serve each padded at the end to runtime.padded_length(n), the
+    padded keys masked out by masks.padded over a 0-d tensor and the padded query rows dropped. Each output is
+    checked against the float64 reference at the real length; a length past the range is refused."""
+    import dataclasses
+    import random
+
+    from kernelpack import evidence, masks
+    from kernelpack.workload import reference_attention
+
+    config = configs(artifact)[0]  # buckets: the others differ only in length
+    runtime.activate(artifact, cache_dir=cache)
+    mark = evidence.next_seq()
+    rng = random.Random(0)
+    lo, hi = config.q_range or (200, 700)
+    errors, lengths, padded_to = [], [], []
+    for _ in range(24):
+        n = rng.randint(lo, hi)
+        while n % 128 == 0:
+            n = rng.randint(lo, hi)
+        length = runtime.padded_length(n)
+        real = dataclasses.replace(config, q_len=n, kv_len=n, padded=False, q_range=None, kv_range=None, dynamic=False)
+        q, k, v = make_inputs(real, "cpu")
+        if length != n:  # pad at the end (the values there are never read for a real row)
+            q, k, v = (torch.cat([t, torch.randn(*t.shape[:2], length - n, t.shape[3])], dim=2) for t in (q, k, v))
+        if config.layout == "bshd":
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        base = masks.BUILTIN[config.mask](config.window)
+        mask_mod = masks.padded(base, torch.tensor(n, dtype=torch.int32)) if config.padded else base
+        bm = masks.block_mask(mask_mod, length, length, "cpu")
+        out = kernelpack.flex_attention(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa, scale=config.scale)
+        (ref,) = reference_attention(real, q[:, :, :n], k[:, :, :n], v[:, :, :n], None)
+        errors.append(float((out[:, :, :n].double() - ref).norm() / ref.norm()))
+        lengths.append(n)
+        padded_to.append(length)
+    refused = ""
+    try:
+        runtime.padded_length(hi + 2000)
+    except KernelpackError as e:
+        refused = str(e)
+    beyond = ""
+    try:  # one token past the range (or the largest bucket)
+        n = max(c.q_range[1] if c.q_range else c.q_len for c in configs(artifact)) + 1
+        q, k, v = (torch.randn(1, h, n, config.head_dim) for h in (config.q_heads, config.kv_heads, config.kv_heads))
+        base = masks.BUILTIN[config.mask](config.window)
+        mask_mod = masks.padded(base, torch.tensor(n, dtype=torch.int32)) if config.padded else base
+        bm = masks.block_mask(mask_mod, n, n, "cpu")
+        kernelpack.flex_attention(q, k, v, block_mask=bm, enable_gqa=config.enable_gqa, scale=config.scale)
+    except NotPrecompiledError as e:
+        beyond = str(e)
+    records = evidence.compile_records(mark)
+    report = runtime.report()
+    return {
+        "lengths": lengths,
+        "padded_to": padded_to,
+        "max_error": max(errors),
+        "compiles": len(records),
+        "fx_misses": sum(r.fx_misses or 0 for r in report.compiles),
+        "missed": len(report.misses),
+        "served": report.to_dict()["served"],
+        "refused_length": refused,
+        "beyond": beyond,
+    }
+
+
 if __name__ == "__main__":
     name, artifact, cache = sys.argv[1:4]
     try:
