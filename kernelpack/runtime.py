@@ -274,7 +274,9 @@ class Warmup:
             return "warm-up running in the background"
         if self.error is not None:
             return f"warm-up failed: {type(self.error).__name__}: {self.error}"
-        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s"
+        dynamic = sum(s.dynamic for s in self.signatures)
+        ranges = f" ({dynamic} of them dynamic graphs, each serving its range)" if dynamic else ""
+        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s{ranges}"
 
     def wait(self) -> None:
         """Until the warm-up is done (bounded); raises if it failed."""

@@ -4,6 +4,7 @@ one dynamic graph (any length in the range, in a fresh process)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -327,3 +328,59 @@ def test_lengths_a_job_already_pads_to_are_written_as_its_buckets() -> None:
     assert {c.q_len for c in configs} == {512 * i for i in range(1, 9)}
     few = recipe_text([event(n) for n in (512, 1000)], name="r")  # fewer than record.RANGE_FROM: a table each
     assert few.count("[[calls]]") == 2 and "min =" not in few
+
+
+ANCHOR_JOB = """
+import json, random, sys
+import torch
+import anchors
+import kernelpack
+from kernelpack import evidence, masks, runtime
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+mark = evidence.next_seq()
+rng = random.Random(0)
+errors, lengths = [], []
+for _ in range(10):
+    n = 16 * rng.randint(16, 64)  # the drafter's length: a whole number of draft blocks
+    length = runtime.padded_length(n)  # its bucket; the anchors of the padded blocks are 0
+    a = torch.randint(0, n, (n // 16,), dtype=torch.int32)  # this step's anchors
+    padded_anchors = torch.cat([a, torch.zeros((length - n) // 16, dtype=torch.int32)])
+    q, k, v = (torch.randn(1, 2, length, 16) for _ in range(3))
+    mask_mod = anchors.make_mask(padded_anchors)  # no real query sees a padded key: no padded() needed
+    out = kernelpack.flex_attention(q, k, v, block_mask=masks.block_mask(mask_mod, length, length, "cpu"))[:, :, :n]
+    real = anchors.make_mask(a)
+    allowed = torch.nn.attention.flex_attention.create_mask(real, None, None, n, n, device="cpu")
+    scores = (q[:, :, :n] @ k[:, :, :n].transpose(-1, -2)) / 4.0
+    ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[:, :, :n]
+    errors.append(float((out - ref).norm() / ref.norm()))
+    lengths.append(n)
+records = evidence.compile_records(mark)
+print(json.dumps({"lengths": lengths, "max_error": max(errors), "compiles": len(records),
+                  "missed": len(runtime.report().misses), "served": runtime.report().to_dict()["served"]}))
+"""
+
+
+def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mask closing over a tensor whose length follows the batch's (DFlash's anchors, one per draft block): the
+    recipe's factory makes it over example anchors of each bucket's length; a fresh process pads each step to its
+    bucket (anchors too) and is served the job's own mask, with this step's anchors, at 10 lengths."""
+    project = DATA / "lengths_project"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")]))
+    built = build_recipe(DATA / "lengths-anchors.toml", tmp_path / "out", jobs=1)
+    assert built.artifact is not None and not built.failed
+    job = tmp_path / "job.py"
+    job.write_text(ANCHOR_JOB)
+    proc = subprocess.run(
+        [sys.executable, str(job), str(built.artifact), str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(set(out["lengths"])) >= 8 and out["compiles"] == 0 and out["missed"] == 0, out
+    assert out["max_error"] < 1e-4, out
+    assert sum(s["calls"] for s in out["served"]) == 10 and len(out["served"]) >= 2, out
