@@ -258,10 +258,11 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
     problem = check_errors(config, call.errors)
     retraced = call.lengths_counters.get("frames.ok", 0)
     if retraced or evidence.compiled_anything(call.lengths_counters):
-        problem = (
+        range_problem = (
             f"its dynamic graph does not serve the whole range: at lengths {call.lengths} Dynamo traced {retraced} "
             f"more graph(s) ({', '.join(evidence.compiled_anything(call.lengths_counters)) or 'cache hits'})"
         )
+        problem = f"{problem}; {range_problem}" if problem else range_problem
     return {
         "seconds": call.seconds,
         "errors": call.errors,

@@ -50,25 +50,33 @@ def sliding_window_bidirectional(window: int) -> MaskMod:
 BUILTIN = {"sliding_window": sliding_window, "sliding_window_bidirectional": sliding_window_bidirectional}
 
 
-def padded(mask_mod: MaskMod, kv_len: Any) -> MaskMod:
+def padded(mask_mod: MaskMod, kv_len: Any, device: Any = None) -> MaskMod:
     """``mask_mod`` with every key at ``kv_len`` and beyond masked out: the mask of a batch padded to its bucket
     (:func:`kernelpack.runtime.padded_length`), for a recipe with ``[call] padded = true``.
 
-    ``kv_len`` is a 0-d integer tensor on the call's device (an int is made one, on the CPU): a tensor the mask
+    ``kv_len`` is the real length: an int, or a 0-d integer tensor. It becomes an int32 tensor on ``device`` (the
+    call's device; default: the tensor's own, or the CPU for an int), as the builder makes it: a tensor the mask
     closes over is a graph input, read by value at run time, so one compiled graph serves every real length of a
-    bucket. A Python int would be a constant of the graph: a graph per length. Make it per step with the same
+    bucket (Dynamo guards on its dtype and device). A Python int closed over would be a constant of the graph: a
+    graph per length. Make it per step with the same
     ``mask_mod``; padded query rows compute garbage that the caller drops (``out[:, :, :n]``), which also keeps their
     gradients out of the real rows'. A causal mask needs none of this for keys padded at the end: no real query
     sees them."""
     import torch
 
     if not isinstance(kv_len, torch.Tensor):
-        kv_len = torch.tensor(int(kv_len), dtype=torch.int32)
+        if isinstance(kv_len, bool) or not isinstance(kv_len, int):
+            raise KernelpackError(
+                f"padded(mask_mod, kv_len): kv_len is an int or a 0-d integer tensor, got {type(kv_len).__name__}",
+                hint="padded(mask_mod, n, device=q.device)",
+            )
+        kv_len = torch.tensor(kv_len, dtype=torch.int32, device=device or "cpu")
     if kv_len.dim() != 0 or kv_len.dtype.is_floating_point or kv_len.dtype == torch.bool:
         raise KernelpackError(
             f"padded(mask_mod, kv_len): kv_len must be a 0-d integer tensor, got {tuple(kv_len.shape)} {kv_len.dtype}",
-            hint="torch.tensor(n, dtype=torch.int32, device=q.device)",
+            hint="padded(mask_mod, n, device=q.device)",
         )
+    kv_len = kv_len.to(dtype=torch.int32, device=device if device is not None else kv_len.device)
 
     def padded_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return mask_mod(b, h, q_idx, kv_idx) & (kv_idx < kv_len)

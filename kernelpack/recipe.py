@@ -198,6 +198,8 @@ _ID_IF_SET = {
     "q_range": None,
     "kv_range": None,
 }
+# the fields added with length ranges: in a [[calls]] recipe's normalized form only when set
+_NEW_IF_SET = ("padded", "q_range", "kv_range")
 _POSITIVE = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
 
@@ -249,11 +251,19 @@ class Config(CallParams):
             label = self.mask if self.window is None else f"{self.mask}(window={self.window})"
         return f"padded({label})" if self.padded else label
 
+    @property
+    def tied(self) -> bool:
+        """A ``seq_len`` range: q_len == kv_len, traced so. Independent q_len and kv_len ranges are traced at
+        different lengths where they can be (:func:`_lengths`), so the two read apart."""
+        return self.q_range is not None and self.q_range == self.kv_range and self.q_len == self.kv_len
+
     def covers_lengths(self, q_len: int, kv_len: int) -> bool:
-        """Whether this config's lengths include (q_len, kv_len): its ranges for a dynamic range config, else
-        exactly its own."""
+        """Whether this config's lengths include (q_len, kv_len): its ranges for a dynamic range config (q_len ==
+        kv_len for a ``seq_len`` range), else exactly its own."""
         if self.q_range is None or self.kv_range is None:
             return (q_len, kv_len) == (self.q_len, self.kv_len)
+        if self.tied and q_len != kv_len:
+            return False
         return self.q_range[0] <= q_len <= self.q_range[1] and self.kv_range[0] <= kv_len <= self.kv_range[1]
 
     def reference(self, kind: Literal["mask", "score"]) -> dict[str, Any] | None:
@@ -543,16 +553,40 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
                     path, key, "applies to [matrix], which this recipe does not have: give it in each [[calls]] table"
                 )
     if "calls" in data:
-        calls = _calls(path, data["calls"], device)
-        seen = {c.id: i for i, c in enumerate(configs)}
-        for i, c in enumerate(calls):
+        calls, tables = _calls(path, data["calls"], device)
+        seen = {c.id for c in configs}
+        for i, c in zip(tables, calls, strict=True):
             if c.id in seen:
                 raise RecipeError(path, f"calls[{i}]", f"repeats config {c.id} ({c.describe()})")
-            seen[c.id] = i
+            seen.add(c.id)
         configs += calls
-        # order-independent: the same calls listed in another order are the same recipe
-        normalized["calls"] = [c.to_dict() for c in sorted(calls, key=lambda c: c.id)]
+        # order-independent: the same calls listed in another order are the same recipe; fields added since
+        # ranges only when set, so that older [[calls]] recipes keep their sha256
+        normalized["calls"] = [
+            {k: v for k, v in c.to_dict().items() if not (k in _NEW_IF_SET and v == _ID_IF_SET[k])}
+            for c in sorted(calls, key=lambda c: c.id)
+        ]
+    _no_shared_traced_call(path, configs)
     return Recipe(name=name, device=device, configs=tuple(configs), normalized=normalized)
+
+
+def _no_shared_traced_call(path: str, configs: list[Config]) -> None:
+    """Two dynamic ranges of one call traced at the same lengths would be one graph in the artifact, serving only
+    one of the ranges: refused (merge them into one range)."""
+    seen: dict[Any, Config] = {}
+    for c in configs:
+        if c.q_range is None:
+            continue
+        key = c.signature(0, c.graphs[0])
+        other = seen.setdefault(key, c)
+        if other is not c:
+            raise RecipeError(
+                path,
+                "calls",
+                f"two dynamic ranges of one call are traced at the same lengths ({c.describe()} and "
+                f"{other.describe()}): they would be one graph",
+                allowed="one range per call: merge them",
+            )
 
 
 def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config], dict[str, Any]]:
@@ -691,11 +725,13 @@ def _function_or_name(path: str, key: str, value: object) -> tuple[Any, str | No
         ) from None
 
 
-def _calls(path: str, items: object, device: str) -> list[Config]:
-    """``[[calls]]``: one config per table, each value a scalar (``graphs`` and ``block_size`` lists)."""
+def _calls(path: str, items: object, device: str) -> tuple[list[Config], list[int]]:
+    """``[[calls]]``: one config per table (per bucket for a bucket range), each value a scalar (``graphs`` and
+    ``block_size`` lists, length ranges); and the index of the table each config comes from."""
     if not isinstance(items, list) or not items or not all(isinstance(t, dict) for t in items):
         raise RecipeError(path, "calls", "must be a non-empty array of tables ([[calls]])", value=items)
-    configs = []
+    configs: list[Config] = []
+    tables: list[int] = []
     for i, t in enumerate(items):
         where = f"calls[{i}]"
         _no_unknown(path, f"{where}.", t, _CALLS_KEYS)
@@ -745,7 +781,8 @@ def _calls(path: str, items: object, device: str) -> list[Config]:
             raise RecipeError(
                 path, f"{where}.{key}" + (f".{rest}" if rest else ""), e.reason, value=e.value, allowed=e.allowed
             ) from None
-    return configs
+        tables += [i] * (len(configs) - len(tables))
+    return configs, tables
 
 
 # one point of a recipe's lengths: (q_len, kv_len, q_range, kv_range); ranges only for a dynamic range
@@ -798,7 +835,10 @@ def _lengths(path: str, prefix: str, table: dict[str, Any], dynamic: object) -> 
                 f"{prefix}{'kv_len' if isinstance(q_axis, tuple) else 'q_len'}",
                 "with a dynamic range, q_len and kv_len are both ranges { min, max }",
             )
-        return [(_traced_length(q_axis), _traced_length(kv_axis), q_axis, kv_axis)]
+        q, kv = _traced_length(q_axis), _traced_length(kv_axis)
+        if q == kv and kv < kv_axis[1]:
+            kv += 1  # independent ranges are traced apart: equal traced lengths mean a seq_len range (Config.tied)
+        return [(q, kv, q_axis, kv_axis)]
     if isinstance(table["q_len"], dict) and isinstance(kv_value, dict):
         raise RecipeError(
             path,
@@ -823,6 +863,8 @@ def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[in
     if lo > hi:
         raise RecipeError(path, f"{key}.max", f"is below min ({lo})", value=hi)
     multiple = value.get("multiple")
+    if not isinstance(dynamic, bool):
+        raise RecipeError(path, "compile.dynamic", "must be a boolean", value=dynamic, allowed=(True, False))
     if multiple is None:
         if dynamic is not True:
             raise RecipeError(
@@ -843,12 +885,11 @@ def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[in
             "makes static buckets, but [compile] dynamic = true asks for one dynamic graph",
             allowed="drop `multiple` (one dynamic graph for the range) or set dynamic = false (buckets)",
         )
-    buckets = list(range(-(-lo // multiple) * multiple, -(-hi // multiple) * multiple + 1, multiple))
-    if len(buckets) > MAX_BUCKETS:
-        raise RecipeError(
-            path, f"{key}.multiple", f"makes {len(buckets)} buckets (at most {MAX_BUCKETS})", value=multiple
-        )
-    return buckets
+    first, last = -(-lo // multiple) * multiple, -(-hi // multiple) * multiple
+    count = (last - first) // multiple + 1
+    if count > MAX_BUCKETS:
+        raise RecipeError(path, f"{key}.multiple", f"makes {count} buckets (at most {MAX_BUCKETS})", value=multiple)
+    return list(range(first, last + 1, multiple))
 
 
 def _traced_length(rng: tuple[int, int]) -> int:

@@ -328,7 +328,7 @@ def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: st
     """The call event of a call, or the problem event saying why its recipe entry cannot be written."""
     where = {"call_signature": sig.describe(), "path": path, "site": site}
     try:
-        mask, mask_closure, window = _mask(arguments.get("block_mask"), sig, factories)
+        mask, mask_closure, window, padded = _mask(arguments.get("block_mask"), sig, factories)
         score, score_closure = _score(arguments.get("score_mod"), sig, factories)
         params = {f.name: getattr(sig, f.name) for f in dataclasses.fields(sig)}
         for f in ("mask", "device_index", "graph", "score_mod"):
@@ -338,6 +338,7 @@ def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: st
             mask=mask,
             mask_closure=mask_closure,
             window=window,
+            padded=padded,
             score_mod=score,
             score_closure=score_closure,
             graphs=(sig.graph,),
@@ -389,7 +390,7 @@ def _check_factories(config: Config, sig: CallSignature) -> dict[str, str] | Non
     return None
 
 
-def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None, int | None]:
+def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None, int | None, bool]:
     """(mask, mask_closure, window) of a recipe config for the call's BlockMask."""
     if block_mask is None:
         raise _Unrecordable(
@@ -409,14 +410,15 @@ def _mask(block_mask: Any, sig: CallSignature, factories: Factories) -> tuple[st
         )
     mask_mod = block_mask.mask_mod
     tag = getattr(mask_mod, "kernelpack_mask", None)
-    match = re.fullmatch(r"(\w+)\((\d+)\)", str(tag)) if tag is not None else None
-    if match is not None:  # kernelpack's own masks: by name and window
-        return match.group(1), None, int(match.group(2))
+    match = re.fullmatch(r"(padded\()?(\w+)\((\d+)\)(\))?", str(tag)) if tag is not None else None
+    if match is not None and bool(match.group(1)) == bool(match.group(4)) and match.group(2) in BUILTIN_MASKS:
+        # kernelpack's own masks by name and window, masks.padded() around one as [call] padded
+        return match.group(2), None, int(match.group(3)), bool(match.group(1))
     factory = factories.lookup(mask_mod, "mask")
     if factory is not None:
-        return factory, None, None
+        return factory, None, None, False
     ref = closures.describe(mask_mod, "mask")
-    return ref["function"], closures.closure_json(ref), None
+    return ref["function"], closures.closure_json(ref), None, False
 
 
 def _score(score_mod: Any, sig: CallSignature, factories: Factories) -> tuple[str, str | None]:
@@ -540,12 +542,13 @@ def recipe_text(
         configs += recorded
         sites = sorted({s for entry in group for s in entry["seen"]})
         indices_seen = sorted({d for entry in group for d in entry["devices"]})
-        table, comments = _lengths_table(recorded)
-        out += [_comment(f"# {c}") for c in comments] or [_comment(f"# {recorded[0].describe()}")]
-        out += [_comment(f"# seen: {s}") for s in sites]
-        if indices_seen and indices_seen != [0]:
-            out.append(f"# device indices: {indices_seen}")
-        out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
+        for i, (table, comments) in enumerate(_tables(recorded)):
+            out += [_comment(f"# {c}") for c in comments]
+            if i == 0:
+                out += [_comment(f"# seen: {s}") for s in sites]
+                if indices_seen and indices_seen != [0]:
+                    out.append(f"# device indices: {indices_seen}")
+            out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
     text = "\n".join(out)
     if check:
         recipe = parse_recipe(tomllib.loads(text), path="<recorded recipe>")
@@ -562,7 +565,8 @@ RANGE_FROM = 4
 
 
 def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
-    """The recorded calls grouped by everything but their lengths (and graphs, merged): one group per table."""
+    """The recorded calls grouped by everything but their lengths (and graphs, merged): a group of RANGE_FROM or
+    more becomes one range. Lengths of one block or less stay tables of their own: a range starts above a block."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
         rest = {k: v for k, v in entry["config"].items() if k not in ("q_len", "kv_len")}
@@ -570,62 +574,84 @@ def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
     out = []
     for key in sorted(groups):
         group = sorted(groups[key], key=lambda e: (e["config"]["q_len"], e["config"]["kv_len"]))
-        if len(group) >= RANGE_FROM:
-            out.append(group)
+        block = max(group[0]["config"].get("block_size") or (128, 128))
+        long = [e for e in group if min(e["config"]["q_len"], e["config"]["kv_len"]) > block]
+        if len(long) >= RANGE_FROM:
+            out.append(long)
+            out += [[e] for e in group if e not in long]
         else:
             out += [[e] for e in group]
     return out
 
 
-def _lengths_table(recorded: list[Config]) -> tuple[dict[str, Any], list[str]]:
-    """The ``[[calls]]`` table of one call recorded at these lengths, and its comment lines: the call itself for one
-    length; for many, a range. Lengths that are all multiples of one m >= 64 (the job pads): buckets of m, which serve
-    it as it is; else one dynamic graph for the range, which serves any length without padding."""
-    first = recorded[0]
-    table = _call_table(first)
+def _tables(recorded: list[Config]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The ``[[calls]]`` tables of one call recorded at these lengths, each with its comment lines: the call itself
+    for one length; for many, one range, or a table per length where no range serves them all:
+
+    - lengths that are all multiples of one m >= 64 (the job pads): buckets of m, which serve it as it is;
+    - else one dynamic graph for the range, which serves any length without padding."""
+    exact = [(_call_table(c), [c.describe()]) for c in recorded]
     if len(recorded) == 1:
-        return table, [first.describe()]
+        return exact
+    proposal = _range_table(recorded)
+    if proposal is None:
+        return exact
+    table, comments = proposal
+    try:  # the proposal must serve every recorded length; else the lengths one by one
+        text = 'name = "r"\ndevice = "cpu"\n[[calls]]\n' + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())
+        built = parse_recipe(tomllib.loads(text.replace('device = "cpu"', f"device = {_toml(recorded[0].device)}")))
+    except RecipeError:
+        return exact
+    if not all(any(_serves(c, r) for c in built.configs) for r in recorded):
+        return exact
+    return [(table, comments)]
+
+
+def _range_table(recorded: list[Config]) -> tuple[dict[str, Any], list[str]] | None:
+    first = recorded[0]
+    rest = _call_table(first)
     for key in ("seq_len", "q_len", "kv_len", "dynamic"):
-        table.pop(key, None)
+        rest.pop(key, None)
+    table: dict[str, Any] = {k: rest.pop(k) for k in ("mask", "window", "batch", "q_heads", "kv_heads") if k in rest}
     lens = [(c.q_len, c.kv_len) for c in recorded]
     tied = all(q == kv for q, kv in lens)
     qs, kvs = sorted({q for q, _ in lens}), sorted({kv for _, kv in lens})
     m = math.gcd(*qs, *kvs)
     offsets = sorted({kv - q for q, kv in lens})
     where = f"{len(lens)} lengths were recorded, q_len {qs[0]}..{qs[-1]}, kv_len {kvs[0]}..{kvs[-1]}"
-    rest = dict(table)
-    table = {k: rest.pop(k) for k in ("mask", "window", "batch", "q_heads", "kv_heads") if k in rest}
-    if m >= 64 and (tied or len(offsets) <= 4):
+    # calls made through guarded(dynamic=True) are served by dynamic graphs only
+    buckets = m >= 64 and not first.dynamic and (tied or (len(offsets) <= 4 and qs[0] + offsets[0] > 0))
+    if buckets:
         if tied:
             table["seq_len"] = {"min": qs[0], "max": qs[-1], "multiple": m}
+            other = "drop `multiple` and set dynamic = true"
         else:
             table["q_len"] = {"min": qs[0], "max": qs[-1], "multiple": m}
             table["kv_len"] = {"offset": offsets}
+            other = "write q_len and kv_len as ranges { min, max } and set dynamic = true"
         table.update(rest)
         return table, [
             f"{where}, all multiples of {m}: buckets of {m} (static graphs; the job already pads to them)",
-            "for one graph that serves any length, drop `multiple` and set dynamic = true",
+            f"for one graph that serves any length, {other}",
         ]
-    block = max(first.block_size)
     if tied:
-        table["seq_len"] = {"min": max(qs[0], block + 1), "max": qs[-1]}
+        table["seq_len"] = {"min": qs[0], "max": qs[-1]}
     else:
-        table["q_len"] = {"min": max(qs[0], first.block_size[0] + 1), "max": qs[-1]}
-        table["kv_len"] = {"min": max(kvs[0], first.block_size[1] + 1), "max": kvs[-1]}
+        table["q_len"] = {"min": qs[0], "max": qs[-1]}
+        table["kv_len"] = {"min": kvs[0], "max": kvs[-1]}
     table.update(rest)
     table["dynamic"] = True
     return table, [
         f"{where}: one dynamic graph serves the range as the job calls it",
-        "static buckets run faster kernels (about 1.3x on the H200, docs/BENCHMARKS.md): write "
-        "seq_len = { min, max, multiple = 256 } without dynamic, and pad each batch to "
-        "kernelpack.runtime.padded_length(n)",
+        "static buckets run faster kernels (about 1.3x for one flex call on the H200, docs/BENCHMARKS.md): write "
+        "{ min, max, multiple = 256 } without dynamic, and pad each batch to kernelpack.runtime.padded_length(n)",
     ]
 
 
 def _serves(built: Config, call: Config) -> bool:
     """Whether a recipe's config serves a recorded call: the same call parameters, and its lengths (exactly, or in
     the config's dynamic range)."""
-    if not built.covers_lengths(call.q_len, call.kv_len):
+    if not built.covers_lengths(call.q_len, call.kv_len) or (call.dynamic and not built.dynamic):
         return False
     same = dataclasses.replace(
         call,
@@ -687,6 +713,8 @@ def _call_table(config: Config) -> dict[str, Any]:
             t[key] = getattr(config, key)
     if config.dynamic:
         t["dynamic"] = True
+    if config.padded:
+        t["padded"] = True
     if config.kernel_options:
         t["kernel_options"] = dict(config.kernel_options)
     return t

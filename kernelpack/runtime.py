@@ -66,6 +66,7 @@ from .compiled import (
 from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
 from .masks import block_mask_for, score_mod_for
+from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
 
@@ -515,18 +516,22 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
 # ------------------------------------------------------------------------------------------------ lengths
 
 
-def padded_length(n: int) -> int:
+def padded_length(n: int, *, where: Callable[[Config], bool] | None = None) -> int:
     """The length to pad a sequence of ``n`` tokens to (q_len == kv_len) so that the active artifact serves it:
     ``n`` itself when a dynamic range covers it, else the smallest bucket at or above ``n`` (``seq_len = { min, max,
     multiple }``). Pad q, k and v at the end (the README's "Varying lengths" shows a training step), and drop the
-    padded query rows of the output. Raises :class:`KernelpackError` when nothing covers ``n``."""
-    return padded_lengths(n, n, tied=True)
+    padded query rows of the output. Raises :class:`KernelpackError` when nothing covers ``n``. ``where``: only the
+    artifact's configs it accepts (an artifact of several calls whose buckets differ, e.g.
+    ``where=lambda c: c.head_dim == 128``)."""
+    return padded_lengths(n, n, tied=True, where=where)  # type: ignore[no-any-return]
 
 
-def padded_lengths(q_len: int, kv_len: int, *, tied: bool = False) -> Any:
+def padded_lengths(
+    q_len: int, kv_len: int, *, tied: bool = False, where: Callable[[Config], bool] | None = None
+) -> Any:
     """(q_len, kv_len) padded to what the active artifact serves: themselves when a dynamic range covers them, else
     the smallest covered (bucket q_len, bucket kv_len) at or above them. ``tied``: only q_len == kv_len points, and
-    return the one length."""
+    return the one length. ``where``: only the configs it accepts."""
     manifest = _state.active.manifest if _state.active is not None else None
     if manifest is None:
         raise KernelpackError(
@@ -540,8 +545,10 @@ def padded_lengths(q_len: int, kv_len: int, *, tied: bool = False) -> Any:
     longest = 0
     for built in manifest.configs:
         c = built.config
+        if where is not None and not where(c):
+            continue
         if c.q_range is not None and c.kv_range is not None:
-            if c.covers_lengths(q_len, kv_len) and not (tied and q_len != kv_len):
+            if c.covers_lengths(q_len, kv_len):
                 return q_len if tied else (q_len, kv_len)
             longest = max(longest, c.q_range[1])
             continue
@@ -562,10 +569,12 @@ def padded_lengths(q_len: int, kv_len: int, *, tied: bool = False) -> Any:
         ):
             best = (c.q_len, c.kv_len)
     if best is None:
-        asked = f"{q_len} tokens" if tied else f"q_len {q_len}, kv_len {kv_len}"
+        asked = f"{q_len} tokens (q_len == kv_len)" if tied else f"q_len {q_len}, kv_len {kv_len}"
+        longest_text = f"the longest covered q_len is {longest}" if longest else "it covers no such length"
         raise KernelpackError(
-            f"{manifest.name} has no bucket or range that holds {asked} (the longest covered q_len is {longest})",
-            hint="truncate or drop longer sequences, or raise the recipe's seq_len max (or q_len / kv_len) and rebuild",
+            f"{manifest.name} has no bucket or range that holds {asked} ({longest_text})",
+            hint="truncate or drop longer sequences, or raise the recipe's max and rebuild; for q_len != kv_len "
+            "(kv_len = { offset = ... }) ask padded_lengths(q_len, kv_len)",
         )
     return best[0] if tied else best
 
@@ -713,15 +722,24 @@ def _serve(
         hit = dynamo_hit(arguments, warm.served_by, m, d)
         if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
             hit = _warmed_signature(active, warm, _signature(m, d, arguments))
+        elif hit and d and active.strict and active.covers(_signature(m, d, arguments)).entry is None:
+            # A dynamic graph's guards hold far beyond the recipe's range (no upper bound on a length, a symbolic
+            # batch): strict mode serves only what the artifact covers. One signature per such call, not per
+            # static one.
+            hit = False
         if hit:
             _count_served(state, warm.by_entry.get(hit, hit), arguments)
             with evidence.tagged(_SERVED):
                 return compiled_flex_attention(m, d)(**arguments)
     for m, d in options:
         same = _with_warmed_mods(warm, arguments, m, d)
+        if same is not None and d and active.strict and active.covers(_signature(m, d, same[0])).entry is None:
+            same = None
         if same is not None:
+            candidate, entry = same
+            _count_served(state, warm.by_entry.get(entry, entry), arguments)
             with evidence.tagged(_SERVED):
-                return compiled_flex_attention(m, d)(**same)
+                return compiled_flex_attention(m, d)(**candidate)
     sig = _signature(mode, dynamic, arguments)
     coverage = active.covers(sig)
     error: KernelpackError
@@ -764,12 +782,14 @@ def _count_served(state: _State, sig: Any, arguments: Mapping[str, Any]) -> None
             seen[1], seen[2], seen[3], seen[4] = min(seen[1], q), max(seen[2], q), min(seen[3], kv), max(seen[4], kv)
 
 
-def _with_warmed_mods(warm: Warmup, arguments: dict[str, Any], mode: str, dynamic: bool) -> dict[str, Any] | None:
+def _with_warmed_mods(
+    warm: Warmup, arguments: dict[str, Any], mode: str, dynamic: bool
+) -> tuple[dict[str, Any], Any] | None:
     """Masks and score_mods by graph: the user's own mask_mod or score_mod, computing what a warmed one computes
     (:func:`kernelpack.signature.mod_graph`, recorded once per function, never by FX tracing), is served with the
     warmed function in its place. Dynamo guards on the function's code object, so the user's own would be traced;
     the warmed one computes the same thing by construction (a mask over the same block tables). Returns the
-    arguments that are served, or None."""
+    arguments that are served and the entry that serves them, or None."""
     block_mask = arguments.get("block_mask")
     mask_mods = _equivalents(warm.masks, getattr(block_mask, "mask_mod", None), "mask")
     score_mods = _equivalents(warm.score_mods, arguments.get("score_mod"), "score")
@@ -781,8 +801,9 @@ def _with_warmed_mods(warm: Warmup, arguments: dict[str, Any], mode: str, dynami
             if block_mask is not None and mask_mod is not block_mask.mask_mod:
                 candidate["block_mask"] = copy.copy(block_mask)
                 candidate["block_mask"].mask_mod = mask_mod
-            if dynamo_hit(candidate, warm.served_by, mode, dynamic):
-                return candidate
+            entry = dynamo_hit(candidate, warm.served_by, mode, dynamic)
+            if entry:
+                return candidate, entry
     return None
 
 
@@ -820,6 +841,9 @@ def _mask_graphs(warm: Warmup, arguments: dict[str, Any]) -> str:
 
 def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
     sig = coverage.signature
+    warmed = sig  # what the warm-up knows it by: a dynamic range config's traced call
+    if coverage.entry is not None and coverage.entry.config.q_range is not None:
+        warmed = Manifest.traced(sig, coverage.entry)
     hint = (
         "make the call as the recipe declares it (its [call] layout, scale and flags; the BlockMask from the "
         "recipe's mask function; its score_mod), as the warm-up did (kernelpack.canonical); or activate(warmup=False), "
@@ -835,10 +859,10 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
             "add it to the recipe and rebuild; non-strict mode compiles uncovered calls only with "
             "activate(warmup=False), where no other thread runs backward while a first call compiles"
         )
-    elif sig in warm.skipped:
-        reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[sig]}"
+    elif warmed in warm.skipped:
+        reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[warmed]}"
     else:
-        entry = warm.entries.get(sig)
+        entry = warm.entries.get(warmed)
         failed = guard_failure(entry, arguments) if entry is not None else ""
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
@@ -880,22 +904,36 @@ def _first_call_at_the_gate(
     import torch
 
     sig = _signature(mode, dynamic, arguments)
-    coverage = active.covers(sig) if active is not None else None
-    if coverage is not None and coverage.entry is not None and coverage.entry.config.q_range is not None:
-        # a dynamic range config covers it: its one dynamic graph, whose first call is the config's
-        sig = Manifest.traced(sig, coverage.entry)
-        fn, dynamic = compiled_flex_attention(mode, True), True
+    coverage = None
+    if active is not None and active.dynamic_modes and sig not in state.ready:
+        coverage = active.covers(sig)
+        if coverage.entry is not None and coverage.entry.config.q_range is not None:
+            # a dynamic range config covers it: its one dynamic graph, whose first call is the config's
+            sig = Manifest.traced(sig, coverage.entry)
+            fn, dynamic = compiled_flex_attention(mode, True), True
     limit = settings.backward_wait_seconds() if in_backward() else None
-    if sig in state.ready:
+
+    def steady() -> bool:
+        if sig not in state.ready:
+            return False
+        if sig.dynamic and coverage is not None:
+            # another length of a range whose first call was made: steady state only if Dynamo's guards pass
+            # (else it would trace outside the gate)
+            with contextlib.suppress(RuntimeError):
+                return serving_entry(arguments, mode, True) is not None
+        return True
+
+    if steady():
         with gate.shared(limit), evidence.tagged(_Call("kernelpack.flex_attention", sig)):
             wait_for_foreign_fx_trace(limit)
             return fn(**arguments)
     with gate.exclusive(limit):
-        if sig in state.ready:  # another thread made this first call while we waited
+        if steady():  # another thread made this first call while we waited
             with evidence.tagged(_Call("kernelpack.flex_attention", sig)):
                 return fn(**arguments)
         config_id = None
-        if active is not None and coverage is not None:
+        if active is not None:
+            coverage = coverage or active.covers(sig)
             if coverage.entry is not None:
                 config_id = coverage.entry.id
             elif active.strict:

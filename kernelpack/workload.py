@@ -43,12 +43,13 @@ class CallResult:
 
 
 def range_lengths(config: Config, n: int, seed: int) -> list[tuple[int, int]]:
-    """Lengths a dynamic range config is checked at, besides its traced one: both ends of its ranges, then ``n``
-    random lengths that are not multiples of 128 where the range has such (seeded)."""
+    """Lengths a dynamic range config is checked at, besides its traced one: both ends of its ranges (and for
+    independent q_len and kv_len ranges the other two corners), then ``n`` random lengths that are not multiples of
+    128 where the range has such (seeded)."""
     if config.q_range is None or config.kv_range is None:
         return []
     (q0, q1), (k0, k1) = config.q_range, config.kv_range
-    tied = config.q_range == config.kv_range and config.q_len == config.kv_len
+    tied = config.tied
     rng = random.Random(seed)
 
     def draw(lo: int, hi: int) -> int:
@@ -58,7 +59,7 @@ def range_lengths(config: Config, n: int, seed: int) -> list[tuple[int, int]]:
                 break
         return x
 
-    out = [(q0, k0), (q1, k1)]
+    out = [(q0, k0), (q1, k1)] + ([] if tied else [(q0, k1), (q1, k0)])
     for _ in range(n):
         q = draw(q0, q1)
         out.append((q, q) if tied else (q, draw(k0, k1)))

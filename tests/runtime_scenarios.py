@@ -995,7 +995,9 @@ def random_lengths(artifact: str, cache: str) -> dict[str, Any]:
     beyond = ""
     try:  # one token past the range (or the largest bucket)
         n = max(c.q_range[1] if c.q_range else c.q_len for c in configs(artifact)) + 1
-        q, k, v = (torch.randn(1, h, n, config.head_dim) for h in (config.q_heads, config.kv_heads, config.kv_heads))
+        q, k, v = (torch.randn(1, n, h, config.head_dim) for h in (config.q_heads, config.kv_heads, config.kv_heads))
+        # in the recipe's layout: only the length differs from a covered call
+        q, k, v = (t.transpose(1, 2) if config.layout == "bshd" else t.transpose(1, 2).contiguous() for t in (q, k, v))
         base = masks.BUILTIN[config.mask](config.window)
         mask_mod = masks.padded(base, torch.tensor(n, dtype=torch.int32)) if config.padded else base
         bm = masks.block_mask(mask_mod, n, n, "cpu")

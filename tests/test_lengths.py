@@ -57,7 +57,8 @@ def test_kv_len_is_tied_to_q_len_by_offsets_not_a_product() -> None:
 def test_a_dynamic_range_is_one_config_traced_inside_it() -> None:
     (c,) = _recipe("seq_len = { min = 200, max = 1000 }", "[compile]\ndynamic = true\n")
     assert c.dynamic and c.q_range == c.kv_range == (200, 1000) and 200 <= c.q_len == c.kv_len <= 1000
-    assert c.covers_lengths(201, 201) and c.covers_lengths(1000, 999) and not c.covers_lengths(1001, 1001)
+    assert c.covers_lengths(201, 201) and c.covers_lengths(1000, 1000) and not c.covers_lengths(1001, 1001)
+    assert not c.covers_lengths(1000, 999)  # a seq_len range: q_len == kv_len
     assert "q_len 200..1000 kv_len 200..1000" in c.describe()
     assert Config.from_dict(c.to_dict()) == c  # the manifest's JSON round trip
     (q,) = _recipe("q_len = { min = 300, max = 900 }\nkv_len = { min = 400, max = 2000 }", "[compile]\ndynamic = true")
@@ -197,12 +198,14 @@ def test_random_real_lengths_are_served_with_no_fx_miss(kind: str, built: dict[s
         (served,) = out["served"]
         assert served["dynamic"] and served["calls"] == 24, served
         assert served["q_len"] == [min(out["lengths"]), max(out["lengths"])], served
-        assert "200..1000" in out["beyond"], out["beyond"]
+        # after the warm-up the dynamic graph's guards would take 1001 (no upper bound): strict mode refuses it,
+        # and the one difference it names is the length
+        assert "200..1000" in out["beyond"] and "differs in: q_len '200..1000' vs 1001, kv_len" in out["beyond"], out
     else:
         assert set(out["padded_to"]) <= {256, 512, 768} and len(set(out["padded_to"])) == 3, out
         assert all(0 <= p - n < 256 for n, p in zip(out["lengths"], out["padded_to"], strict=True)), out
         assert sum(s["calls"] for s in out["served"]) == 24 and not any(s["dynamic"] for s in out["served"]), out
-        assert "seq=768" in out["beyond"], out["beyond"]
+        assert "seq=768" in out["beyond"] and "differs in: q_len 768 vs 769, kv_len 768 vs 769)" in out["beyond"], out
 
 
 def test_padded_length_needs_an_active_artifact() -> None:
@@ -384,3 +387,129 @@ def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
     assert len(set(out["lengths"])) >= 8 and out["compiles"] == 0 and out["missed"] == 0, out
     assert out["max_error"] < 1e-4, out
     assert sum(s["calls"] for s in out["served"]) == 10 and len(out["served"]) >= 2, out
+
+
+# ------------------------------------------------------------------------------------------------ review findings
+
+
+def test_new_fields_do_not_change_an_older_calls_recipes_sha256() -> None:
+    """The fields ranges added (padded, q_range, kv_range) enter a [[calls]] recipe's normalized form only when set:
+    a recipe `kernelpack record` wrote before them keeps its sha256 (shards of old and new builds still merge)."""
+    text = 'name = "r"\ndevice = "cpu"\n[[calls]]\nmask = "sliding_window"\nwindow = 64\nq_heads = 2\nseq_len = 256\n'
+    text += 'head_dim = 16\ndtype = "float32"\n'
+    recipe = parse_recipe(tomllib.loads(text))
+    assert set(recipe.normalized["calls"][0]) & {"padded", "q_range", "kv_range"} == set()
+    padded = parse_recipe(tomllib.loads(text + "padded = true\n"))
+    assert padded.normalized["calls"][0]["padded"] is True and padded.sha256 != recipe.sha256
+
+
+@pytest.mark.parametrize(
+    "text, key, fragment",
+    [
+        ("seq_len = { min = 1, max = 1000000000000, multiple = 1 }", "matrix.seq_len.multiple", "buckets (at most"),
+        ('seq_len = { min = 200, max = 1000 }\n[compile]\ndynamic = "yes"', "compile.dynamic", "must be a boolean"),
+    ],
+)
+def test_more_bad_ranges(text: str, key: str, fragment: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(tomllib.loads(HEAD + "[matrix]\nq_heads = 2\nhead_dim = 16\ndtypes = ['float32']\n" + text))
+    assert e.value.key == key and fragment in str(e.value), str(e.value)
+
+
+def test_two_ranges_of_one_call_traced_at_one_length_are_refused() -> None:
+    table = '[[calls]]\nmask = "sliding_window"\nwindow = 64\nq_heads = 2\nhead_dim = 16\ndtype = "float32"\n'
+    text = 'name = "r"\ndevice = "cpu"\n' + table + "seq_len = { min = 200, max = 1000 }\ndynamic = true\n"
+    text += table + "seq_len = { min = 500, max = 700 }\ndynamic = true\n"  # both traced at 600: one graph
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(tomllib.loads(text))
+    assert e.value.key == "calls" and "traced at the same lengths" in str(e.value), str(e.value)
+
+
+def test_a_repeated_call_names_its_table_not_its_bucket() -> None:
+    table = '[[calls]]\nmask = "sliding_window"\nwindow = 64\nq_heads = 2\nhead_dim = 16\ndtype = "float32"\n'
+    text = 'name = "r"\ndevice = "cpu"\n' + table + "seq_len = { min = 256, max = 1024, multiple = 256 }\n"
+    text += table + "seq_len = 768\n"
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(tomllib.loads(text))
+    assert e.value.key == "calls[1]", str(e.value)
+
+
+def test_a_seq_len_range_covers_equal_lengths_and_independent_ranges_any_pair() -> None:
+    (tied,) = _recipe("seq_len = { min = 300, max = 900 }", "[compile]\ndynamic = true")
+    both = "q_len = { min = 300, max = 900 }\nkv_len = { min = 300, max = 900 }"
+    (free,) = _recipe(both, "[compile]\ndynamic = true")
+    assert tied.tied and tied.covers_lengths(400, 400) and not tied.covers_lengths(400, 500)
+    assert not free.tied and free.q_len != free.kv_len and free.covers_lengths(400, 500)
+    from kernelpack.workload import range_lengths
+
+    assert all(q == kv for q, kv in range_lengths(tied, 10, 0))
+    assert {(300, 900), (900, 300)} <= set(range_lengths(free, 10, 0))  # corners of independent ranges
+
+
+def test_record_keeps_what_no_range_serves_as_tables_of_their_own() -> None:
+    """Decode (q_len 1), lengths of one block, offsets that would give kv_len <= 0 in other buckets, and calls
+    made through guarded(dynamic=True) (served by dynamic graphs only): record still writes a recipe that serves
+    every recorded call."""
+    from kernelpack.record import recipe_text
+
+    def event(q: int, kv: int, **over: object) -> dict:
+        c = Config(
+            device="cpu",
+            mask="sliding_window",
+            window=64,
+            batch=1,
+            q_heads=2,
+            kv_heads=2,
+            q_len=q,
+            kv_len=kv,
+            head_dim=16,
+            dtype="float32",
+            **over,
+        )  # type: ignore[arg-type]
+        return {"call": {"config": c.to_dict(), "device_index": None, "path": "p", "site": "x"}}
+
+    cases = {
+        "decode": [event(1, n) for n in (300, 301, 302, 303)],
+        "short": [event(n, n) for n in (100, 150, 300, 450)],
+        "offsets": [event(256, 256), event(512, 512), event(768, 768), event(1024, 128)],
+    }
+    for name, events in cases.items():
+        text = recipe_text(events, name="r")  # checks that it serves every call
+        assert text.count("[[calls]]") == 4, (name, text)
+    dynamic = recipe_text([event(n, n, dynamic=True) for n in (512, 1024, 1536, 2048)], name="r")
+    assert "seq_len = { min = 512, max = 2048 }" in dynamic and "dynamic = true" in dynamic, dynamic
+
+
+def test_padded_accepts_an_int_or_any_integer_tensor_and_makes_the_builders_tensor() -> None:
+    import torch
+
+    from kernelpack import masks
+
+    base = masks.sliding_window(64)
+    for n in (300, torch.tensor(300), torch.tensor(300, dtype=torch.int64)):
+        mask = masks.padded(base, n)
+        (kv_len,) = [c.cell_contents for c in mask.__closure__ if isinstance(c.cell_contents, torch.Tensor)]  # type: ignore[union-attr]
+        assert kv_len.dtype == torch.int32 and kv_len.device.type == "cpu" and int(kv_len) == 300
+    for bad in (300.0, True, torch.tensor([300])):
+        with pytest.raises(Exception, match="padded"):
+            masks.padded(base, bad)
+
+
+def test_record_names_a_padded_builtin_mask(tmp_path: Path) -> None:
+    """A job that pads through masks.padded(sliding_window(W), n) is recorded as the built-in mask with
+    [call] padded, which builds the very same mask."""
+    import torch
+
+    import kernelpack
+    from kernelpack import masks
+    from kernelpack.record import recording
+
+    out_path = tmp_path / "r.toml"
+    with recording(out_path):
+        for n, length in ((300, 384), (350, 384)):
+            mask = masks.padded(masks.sliding_window(64), n)
+            q = torch.randn(1, 2, length, 16)
+            with torch.no_grad():
+                kernelpack.flex_attention(q, q, q, block_mask=masks.block_mask(mask, length, length, "cpu"))
+    (config,) = load_recipe(out_path).configs
+    assert config.padded and config.mask == "sliding_window" and config.window == 64, out_path.read_text()

@@ -340,7 +340,8 @@ def recipe_for(
 def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
     if isinstance(seq_lens, Mapping):
         unknown = sorted(set(seq_lens) - {"min", "max", "multiple"})
-        if unknown or not {"min", "max"} <= set(seq_lens):
+        bad = [v for v in seq_lens.values() if isinstance(v, bool) or not isinstance(v, int)]
+        if unknown or bad or not {"min", "max"} <= set(seq_lens):
             raise KernelpackError(
                 f"recipe_for: seq_lens {dict(seq_lens)!r} is not a range",
                 hint='{"min": 1024, "max": 16384} (dynamic) or {"min": ..., "max": ..., "multiple": 512} (buckets)',
