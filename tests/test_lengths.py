@@ -307,23 +307,18 @@ def test_a_job_recorded_at_many_lengths_gets_one_range_that_serves_other_lengths
     assert replay.stdout.strip().startswith("0 of 1 compiles missed"), replay.stdout
 
 
+def _event(q: int, kv: int, **over: object) -> dict:
+    """A recorded call event of a small CPU call at these lengths."""
+    fields = dict(device="cpu", mask="sliding_window", window=64, batch=1, q_heads=2, kv_heads=2, head_dim=16)
+    c = Config(**fields, q_len=q, kv_len=kv, dtype="float32", **over)  # type: ignore[arg-type]
+    return {"call": {"config": c.to_dict(), "device_index": None, "path": "kernelpack.flex_attention", "site": "x"}}
+
+
 def test_lengths_a_job_already_pads_to_are_written_as_its_buckets() -> None:
     from kernelpack.record import recipe_text
 
     def event(n: int) -> dict:
-        c = Config(
-            device="cpu",
-            mask="sliding_window",
-            window=64,
-            batch=1,
-            q_heads=2,
-            kv_heads=2,
-            q_len=n,
-            kv_len=n,
-            head_dim=16,
-            dtype="float32",
-        )
-        return {"call": {"config": c.to_dict(), "device_index": None, "path": "kernelpack.flex_attention", "site": "x"}}
+        return _event(n, n)
 
     text = recipe_text([event(n) for n in (512, 1024, 2560, 4096)], name="r")
     assert "seq_len = { min = 512, max = 4096, multiple = 512 }" in text and "dynamic" not in text.split("[[calls]]")[1]
@@ -452,22 +447,7 @@ def test_record_keeps_what_no_range_serves_as_tables_of_their_own() -> None:
     every recorded call."""
     from kernelpack.record import recipe_text
 
-    def event(q: int, kv: int, **over: object) -> dict:
-        c = Config(
-            device="cpu",
-            mask="sliding_window",
-            window=64,
-            batch=1,
-            q_heads=2,
-            kv_heads=2,
-            q_len=q,
-            kv_len=kv,
-            head_dim=16,
-            dtype="float32",
-            **over,
-        )  # type: ignore[arg-type]
-        return {"call": {"config": c.to_dict(), "device_index": None, "path": "p", "site": "x"}}
-
+    event = _event
     cases = {
         "decode": [event(1, n) for n in (300, 301, 302, 303)],
         "short": [event(n, n) for n in (100, 150, 300, 450)],
