@@ -227,3 +227,29 @@ def test_a_transformers_model_trains_at_random_lengths_with_no_compile(kind: str
     assert {s["dynamic"] for s in result["served"]} == {kind == "dynamic"}, result
     (ckpt,) = _checkpoint_runs(built.artifact, ("reentrant",), tmp_path, block="tf", random_steps=3)
     assert len(set(ckpt["lengths"])) > 3, ckpt
+
+
+def test_a_drafters_anchor_mask_is_served_by_one_dynamic_graph_at_every_length(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17 on CUDA: the DFlash-style mask over per-step anchors (tests/data/lengths_project) as one dynamic
+    graph over 256..1024 (on CPU torch 2.13 this graph fails to compile: tests/data/lengths-anchors.toml); a fresh
+    process calls 10 lengths, each with its own anchors: nothing compiles, the outputs are the job's."""
+    from test_lengths import ANCHOR_JOB
+
+    data = Path(__file__).parent / "data"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(data / "lengths_project"), os.environ.get("PYTHONPATH", "")]))
+    recipe = tmp_path / "anchors.toml"
+    text = (data / "lengths-anchors.toml").read_text().replace('device = "cpu"', 'device = "cuda"')
+    recipe.write_text(text.replace(", multiple = 256 }", " }") + "\n[compile]\ndynamic = true\n")
+    built = build(recipe, tmp_path / "out", jobs=1)
+    assert built.artifact is not None and not built.failed
+    job = tmp_path / "job.py"
+    job.write_text(ANCHOR_JOB)
+    cmd = [sys.executable, str(job), str(built.artifact), str(tmp_path / "cache"), "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert len(set(out["lengths"])) >= 8 and out["compiles"] == 0 and out["missed"] == 0, out
+    assert out["max_error"] < 1e-2, out  # float32 inputs, TF32 matmuls
+    (served,) = out["served"]
+    assert served["dynamic"] and served["calls"] == 10, out

@@ -335,19 +335,20 @@ import anchors
 import kernelpack
 from kernelpack import evidence, masks, runtime
 runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+dev = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 mark = evidence.next_seq()
 rng = random.Random(0)
 errors, lengths = [], []
 for _ in range(10):
     n = 16 * rng.randint(16, 64)  # the drafter's length: a whole number of draft blocks
     length = runtime.padded_length(n)  # its bucket; the anchors of the padded blocks are 0
-    a = torch.randint(0, n, (n // 16,), dtype=torch.int32)  # this step's anchors
-    padded_anchors = torch.cat([a, torch.zeros((length - n) // 16, dtype=torch.int32)])
-    q, k, v = (torch.randn(1, 2, length, 16) for _ in range(3))
+    a = torch.randint(0, n, (n // 16,), dtype=torch.int32, device=dev)  # this step's anchors
+    padded_anchors = torch.cat([a, torch.zeros((length - n) // 16, dtype=torch.int32, device=dev)])
+    q, k, v = (torch.randn(1, 2, length, 16, device=dev) for _ in range(3))
     mask_mod = anchors.make_mask(padded_anchors)  # no real query sees a padded key: no padded() needed
-    out = kernelpack.flex_attention(q, k, v, block_mask=masks.block_mask(mask_mod, length, length, "cpu"))[:, :, :n]
+    out = kernelpack.flex_attention(q, k, v, block_mask=masks.block_mask(mask_mod, length, length, dev))[:, :, :n]
     real = anchors.make_mask(a)
-    allowed = torch.nn.attention.flex_attention.create_mask(real, None, None, n, n, device="cpu")
+    allowed = torch.nn.attention.flex_attention.create_mask(real, None, None, n, n, device=dev)
     scores = (q[:, :, :n] @ k[:, :, :n].transpose(-1, -2)) / 4.0
     ref = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v[:, :, :n]
     errors.append(float((out - ref).norm() / ref.norm()))

@@ -20,4 +20,5 @@ def make_mask(anchors: torch.Tensor) -> Any:
 
 def factory(config: Any) -> Any:
     """The recipe's mask factory: the job's own function over example anchors of this config's length."""
-    return make_mask(torch.zeros(config.q_len // BLOCK, dtype=torch.int32))
+    # on the device of the call (CUDA: the current one, which the builder and the warm-up set)
+    return make_mask(torch.zeros(config.q_len // BLOCK, dtype=torch.int32, device=config.device))
