@@ -466,9 +466,11 @@ def code_paths(artifact: str, cache: str) -> dict[str, Any]:
         out[f"kernelpack/{name}"] = attempt(kernelpack.flex_attention, *args, **kwargs)
         out[f"torch.compile/{name}"] = attempt(user_compiled, *args, **kwargs)
     out["eager"] = attempt(torch_flex, q, k, v, block_mask=bm)
+    out["covered"] = attempt(kernelpack.flex_attention, q, k, v, block_mask=bm)  # served: report().served
     rep = runtime.report().to_dict()
     out["strict"] = {"compiles": rep["compiles"], "dense": rep["dense"], "refused": len(rep["refused"])}
-    out["keys"] = {"": sorted(rep)} | {k: sorted(rep[k][0]) for k in ("first_calls", "compiles", "refused", "dense")}
+    sections = ("first_calls", "compiles", "refused", "dense", "served")
+    out["keys"] = {"": sorted(rep)} | {k: sorted(rep[k][0]) for k in sections}
 
     runtime.activate(artifact, cache_dir=cache, strict=False)
     with warnings.catch_warnings(record=True) as caught:

@@ -305,6 +305,7 @@ def test_every_miss_is_refused_or_reported_with_the_field_whatever_the_code_path
         field = "q_len 256 vs 128" if name == "q_len" else f"differs in: {name} "
         assert field in ours and field in theirs, (name, ours, theirs)
     assert out["eager"].startswith("DenseFallbackError")
+    assert out["covered"].startswith("served"), out["covered"]
     strict = out["strict"]
     assert strict["refused"] == 2 * len(MISMATCHES)
     refused_compiles = [c for c in strict["compiles"] if c["path"] == "torch.compile(flex_attention)"]
