@@ -598,8 +598,8 @@ def _tables(recorded: list[Config]) -> list[tuple[dict[str, Any], list[str]]]:
         return exact
     table, comments = proposal
     try:  # the proposal must serve every recorded length; else the lengths one by one
-        text = 'name = "r"\ndevice = "cpu"\n[[calls]]\n' + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())
-        built = parse_recipe(tomllib.loads(text.replace('device = "cpu"', f"device = {_toml(recorded[0].device)}")))
+        head = f'name = "r"\ndevice = {_toml(recorded[0].device)}\n[[calls]]\n'
+        built = parse_recipe(tomllib.loads(head + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())))
     except RecipeError:
         return exact
     if not all(any(_serves(c, r) for c in built.configs) for r in recorded):
