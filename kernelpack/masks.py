@@ -8,6 +8,7 @@ the key. Each built-in mask_mod carries ``kernelpack_mask``, the name :func:`ker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from . import closures, settings
 from .compiled import outside_first_calls
 from .errors import KernelpackError
-from .signature import DEFAULT_BLOCK_SIZE
+from .signature import DEFAULT_BLOCK_SIZE, mask_key
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -81,8 +82,6 @@ def padded(mask_mod: MaskMod, kv_len: Any, device: Any = None) -> MaskMod:
     def padded_mask(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
         return mask_mod(b, h, q_idx, kv_idx) & (kv_idx < kv_len)
 
-    from .signature import mask_key
-
     padded_mask.kernelpack_mask = f"padded({mask_key(mask_mod)})"  # type: ignore[attr-defined]
     for attr in ("per_batch", "per_head"):
         if getattr(mask_mod, attr, False):
@@ -114,8 +113,6 @@ def mask_for(config: Config, device: Any = "cpu") -> MaskMod:
     ``factory(config)`` for ``mask = "pkg.mod:factory"``; with ``[call] padded = true`` that mask :func:`padded` to
     the config's kv_len (a tensor on ``device``)."""
     if config.padded:
-        import dataclasses
-
         import torch
 
         inner = mask_for(dataclasses.replace(config, padded=False), device)

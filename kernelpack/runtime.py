@@ -541,7 +541,7 @@ def padded_lengths(
     for n in (q_len, kv_len):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise KernelpackError(f"padded_length({n!r}): a length is a positive int", hint="pass the batch's length")
-    best: tuple[int, int] | None = None
+    fits: list[tuple[int, int]] = []  # the static buckets that hold the lengths
     longest = 0
     for built in manifest.configs:
         c = built.config
@@ -555,20 +555,9 @@ def padded_lengths(
         if tied and c.q_len != c.kv_len:
             continue
         longest = max(longest, c.q_len)
-        if (
-            c.q_len >= q_len
-            and c.kv_len >= kv_len
-            and (
-                best is None
-                or (c.q_len * c.kv_len, c.q_len)
-                < (
-                    best[0] * best[1],
-                    best[0],
-                )
-            )
-        ):
-            best = (c.q_len, c.kv_len)
-    if best is None:
+        if c.q_len >= q_len and c.kv_len >= kv_len:
+            fits.append((c.q_len, c.kv_len))
+    if not fits:
         asked = f"{q_len} tokens (q_len == kv_len)" if tied else f"q_len {q_len}, kv_len {kv_len}"
         longest_text = f"the longest covered q_len is {longest}" if longest else "it covers no such length"
         raise KernelpackError(
@@ -576,6 +565,7 @@ def padded_lengths(
             hint="truncate or drop longer sequences, or raise the recipe's max and rebuild; for q_len != kv_len "
             "(kv_len = { offset = ... }) ask padded_lengths(q_len, kv_len)",
         )
+    best = min(fits, key=lambda qk: (qk[0] * qk[1], qk[0]))  # the least padded work
     return best[0] if tied else best
 
 

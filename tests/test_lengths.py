@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -117,26 +116,9 @@ def test_a_bad_range_is_named_with_what_to_write(matrix: str, extra: str, key: s
 
 
 def test_calls_tables_take_ranges_too() -> None:
-    text = 'name = "r"\ndevice = "cpu"\n' + textwrap.dedent(
-        """
-        [[calls]]
-        mask = "sliding_window"
-        window = 64
-        q_heads = 2
-        head_dim = 16
-        dtype = "float32"
-        seq_len = { min = 300, max = 2000 }
-        dynamic = true
-
-        [[calls]]
-        mask = "sliding_window"
-        window = 64
-        q_heads = 2
-        head_dim = 16
-        dtype = "float32"
-        seq_len = { min = 300, max = 800, multiple = 256 }
-        """
-    )
+    table = '[[calls]]\nmask = "sliding_window"\nwindow = 64\nq_heads = 2\nhead_dim = 16\ndtype = "float32"\n'
+    text = 'name = "r"\ndevice = "cpu"\n' + table + "seq_len = { min = 300, max = 2000 }\ndynamic = true\n"
+    text += table + "seq_len = { min = 300, max = 800, multiple = 256 }\n"
     configs = parse_recipe(tomllib.loads(text)).configs
     assert sorted((c.q_len, c.q_range) for c in configs) == [
         (512, None),
