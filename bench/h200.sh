@@ -78,6 +78,33 @@ if [[ $what == varlen-ckpt ]]; then  # the checkpointing proof alone: dynamic re
   python3 bench/checkpoint_threads.py --artifact /tmp/vlc/*.kpack --block tf --threads 3 --timeout 100 \
     --modes ${CKPT_MODES:-reentrant,nonreentrant} --runs 1 --random-steps 4 --out "$OUT/ckpt-dynamic.json" 2>&1 | tail -4
 fi
+# Issue 17's remaining H200 proof, detached (over 10 minutes): the cold arm alone on an idle GPU (stopped by
+# `timeout`; varlen_train.py still prints what it ran), the three-thread checkpointing proof with a bucketed artifact
+# (lengths 1024..4096, buckets of 512), then the GPU test suite. varlen-finish-collect tars the results.
+if [[ $what == varlen-finish-bg ]]; then
+  rm -rf /tmp/vf; mkdir -p /tmp/vf
+  setsid nohup bash -c '
+    set -x
+    V="python3 bench/varlen_train.py"
+    TORCHINDUCTOR_CACHE_DIR=/tmp/vf/cold-cache timeout -k 20 '"${COLD_TIMEOUT:-300}"' $V --mode cold --steps 50 \
+      --time-limit '"${COLD_LIMIT:-200}"' > /tmp/vf/cold.jsonl 2> /tmp/vf/cold.err; echo "cold exit $?" >> /tmp/vf/cold.err
+    $V --write-recipe /tmp/vf/buckets.toml --min 1024 --max 4096 --multiple 512 --graphs fwd,fwd+bwd > /dev/null
+    python3 -m kernelpack.cli build /tmp/vf/buckets.toml -o /tmp/vf/buckets --jobs 8 > /tmp/vf/build-buckets.log 2>&1
+    python3 bench/checkpoint_threads.py --artifact /tmp/vf/buckets/*.kpack --block tf --threads 3 --timeout 200 \
+      --modes reentrant,nonreentrant --runs 1 --random-steps 4 --out /tmp/vf/ckpt-buckets.json > /tmp/vf/ckpt.log 2>&1
+    touch /tmp/vf/proof-done
+    python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > /tmp/vf/pytest-gpu.log 2>&1
+    touch /tmp/vf/done' > /tmp/vf/driver.log 2>&1 < /dev/null &
+  echo "varlen-finish started in the background"
+  for _ in $(seq 1 ${COLLECT_POLLS:-105}); do [[ -f /tmp/vf/proof-done ]] && break; sleep 5; done
+  tail -3 /tmp/vf/cold.err /tmp/vf/build-buckets.log /tmp/vf/ckpt.log; tail -c 1500 /tmp/vf/cold.jsonl
+fi
+if [[ $what == varlen-finish-collect ]]; then
+  [[ -d /tmp/vf ]] || { echo "no background run in /tmp/vf on this machine (it went cold)"; exit 3; }
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/vf/done ]] && break; sleep 5; done
+  tar czf "$OUT/varlen-finish.tgz" -C /tmp/vf --exclude='*.kpack' --exclude=cold-cache .
+  tail -5 /tmp/vf/pytest-gpu.log /tmp/vf/driver.log
+fi
 if [[ $what == varlen-collect ]]; then  # every small file of the run, in one tarball (8 files come back at most)
   [[ -d /tmp/vl ]] || { echo "no background run in /tmp/vl on this machine (it went cold)"; exit 3; }
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/vl/done ]] && break; sleep 5; done

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import statistics
 import sys
 import time
@@ -87,6 +88,16 @@ model_s = time.perf_counter() - t0 - activate_s
 rng = random.Random(args.seed)
 mark = evidence.next_seq()
 steps = []
+interrupted = None  # the seconds a step had run when SIGTERM (e.g. `timeout`) stopped it
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+# A cold arm can spend minutes in one step's compiles: `timeout` sends SIGTERM, and the summary still prints, with
+# the step it stopped (each finished step is also printed to stderr as it ends).
+signal.signal(signal.SIGTERM, _stop)
 for _ in range(args.steps):
     n = rng.randint(args.min, args.max)
     length = runtime.padded_length(n) if padded else n
@@ -95,17 +106,22 @@ for _ in range(args.steps):
     labels[:, n:] = -100  # the padding: no loss; causal attention keeps it out of the real tokens
     before = evidence.next_seq()
     start = time.perf_counter()
-    if args.forward_only:
-        with torch.no_grad():
-            model(ids, labels=labels, use_cache=False)
-    else:
-        model(ids, labels=labels, use_cache=False).loss.backward()
-    if device == "cuda":
-        torch.cuda.synchronize()
+    try:
+        if args.forward_only:
+            with torch.no_grad():
+                model(ids, labels=labels, use_cache=False)
+        else:
+            model(ids, labels=labels, use_cache=False).loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except KeyboardInterrupt:
+        interrupted = {"n": n, "len": length, "s": round(time.perf_counter() - start, 1)}
+        break
     seconds = time.perf_counter() - start
     records = evidence.compile_records(before)
     misses = sum(r.missed for r in records)
     steps.append({"n": n, "len": length, "s": round(seconds, 4), "compiles": len(records), "misses": misses})
+    print(json.dumps(steps[-1]), file=sys.stderr, flush=True)
     if time.perf_counter() - t0 > args.time_limit:
         break
 records = evidence.compile_records(mark)
@@ -118,10 +134,11 @@ print(
             "padded": padded,
             "activate_s": round(activate_s, 3),
             "model_s": round(model_s, 3),
-            "first_step_s": steps[0]["s"],
-            "to_first_step_done_s": round(activate_s + model_s + steps[0]["s"], 3),
+            "first_step_s": steps[0]["s"] if steps else None,
+            "to_first_step_done_s": round(activate_s + model_s + steps[0]["s"], 3) if steps else None,
             "steady_median_s": round(statistics.median(steady), 4) if steady else None,
             "steps_run": len(steps),
+            "interrupted_step": interrupted,
             "compiles_in_steps": len(records),
             "misses_in_steps": sum(r.missed for r in records),
             "tokens": sum(s["n"] for s in steps),
