@@ -20,6 +20,7 @@ the model, and each step (synchronized). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import random
 import signal
@@ -35,6 +36,7 @@ ap.add_argument("--min", type=int, default=1024)
 ap.add_argument("--max", type=int, default=16384)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--time-limit", type=float, default=1e9, help="stop after the step that passes this many seconds")
+ap.add_argument("--dump-every", type=float, help="dump every thread's stack to stderr every S seconds (a stuck step)")
 ap.add_argument("--write-recipe", help="write the recipe of this model for the range, then exit")
 ap.add_argument("--multiple", type=int, help="with --write-recipe: buckets of this multiple (else one dynamic graph)")
 ap.add_argument("--graphs", default="fwd+bwd")
@@ -92,12 +94,15 @@ interrupted = None  # the seconds a step had run when SIGTERM (e.g. `timeout`) s
 
 
 def _stop(signum: int, frame: object) -> None:
+    faulthandler.dump_traceback(all_threads=True)  # where the step was when it was stopped (stderr)
     raise KeyboardInterrupt
 
 
 # A cold arm can spend minutes in one step's compiles: `timeout` sends SIGTERM, and the summary still prints, with
 # the step it stopped (each finished step is also printed to stderr as it ends).
 signal.signal(signal.SIGTERM, _stop)
+if args.dump_every:  # a C-level watchdog: it dumps even while the main thread is inside a long C call
+    faulthandler.dump_traceback_later(args.dump_every, repeat=True)
 for _ in range(args.steps):
     n = rng.randint(args.min, args.max)
     length = runtime.padded_length(n) if padded else n

@@ -20,5 +20,7 @@ def make_mask(anchors: torch.Tensor) -> Any:
 
 def factory(config: Any) -> Any:
     """The recipe's mask factory: the job's own function over example anchors of this config's length."""
-    # on the device of the call (CUDA: the current one, which the builder and the warm-up set)
-    return make_mask(torch.zeros(config.q_len // BLOCK, dtype=torch.int32, device=config.device))
+    # One anchor per draft block, the last one partial: the builder calls a dynamic range at lengths that are not
+    # multiples of BLOCK, and a short tensor is indexed out of bounds there (a device-side assert on CUDA).
+    # On the device of the call (CUDA: the current one, which the builder and the warm-up set).
+    return make_mask(torch.zeros(-(-config.q_len // BLOCK), dtype=torch.int32, device=config.device))
