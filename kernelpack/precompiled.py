@@ -1,0 +1,92 @@
+"""Tier 2, precompiled functions (issue 18, work in progress): torch's ``aot_compile`` of a config's canonical call,
+saved by the builder beside the inductor cache, loaded by the runtime and called without Dynamo.
+
+A mechanism, like :mod:`kernelpack.compiled`: it knows calls and bytes, not artifacts or activation. Every workaround
+for a torch version's bug on this path is in this module, and each is skipped where torch does not need it.
+
+What torch 2.13.0+cpu does (bench/precompile_probe.py): ``torch.compiler.save_compiled_function`` does not exist
+(the compiled function's own ``save_compiled_function`` does); ``torch.compiler.load_compiled_function`` raises
+"TracingContext.get() must be called within an ongoing trace" while unpickling the guards, as on 2.11 (FINDINGS);
+``aot_compile`` guards on the grad mode it ran under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+# torch raises this while unpickling a loaded function's guards outside a trace (2.11, 2.13)
+_NO_TRACING_CONTEXT = "TracingContext.get() must be called within an ongoing trace"
+
+
+def unavailable() -> str | None:
+    """Why this torch has no tier 2 (no ``enable_aot_compile``, torch < 2.10), or None."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        return f"torch {torch.__version__} has no torch._dynamo.config.enable_aot_compile (torch >= 2.10)"
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function"
+    return None
+
+
+def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "default", dynamic: bool = False) -> Any:
+    """``torch.compile(flex_attention, fullgraph=True).aot_compile`` of a call with these (named) arguments, under
+    the grad mode of the graph it serves (the loaded function guards on it): q, k, v positional, the rest by name,
+    as :func:`kernelpack.runtime.flex_attention` passes them."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    args = (arguments["query"], arguments["key"], arguments["value"])
+    kwargs = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
+    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic, mode=None if mode == "default" else mode)
+    with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(grad):  # type: ignore[attr-defined]
+        return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
+
+
+def dumps(fn: Any) -> bytes:
+    """The bytes of an aot-compiled function (:func:`loads` makes it again)."""
+    import torch
+
+    save = getattr(torch.compiler, "save_compiled_function", None)
+    with tempfile.TemporaryDirectory(prefix="kernelpack-aot-") as tmp:
+        path = os.path.join(tmp, "fn.bin")
+        if save is not None:
+            save(fn, path)
+        else:  # torch 2.13: the compiled function saves itself
+            fn.save_compiled_function(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def loads(blob: bytes) -> Callable[..., Any]:
+    """The function :func:`dumps` saved, loaded in this process. The inductor artifacts it refers to must be in the
+    process's cache dir (tier 1's files): without them torch compiles its kernels again."""
+    import torch
+
+    try:
+        return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
+    except RuntimeError as e:
+        if _NO_TRACING_CONTEXT not in str(e):
+            raise
+    with _tracing_context():
+        return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def _tracing_context() -> Iterator[None]:
+    """torch 2.11 and 2.13 unpickle a loaded function's guards with a Source that installs an ID_MATCH guard, which
+    asks for the current TracingContext; outside a trace there is none (FINDINGS, "Skipping Dynamo at warm start"; no
+    torch issue found). A fresh context over a FakeTensorMode gives it one; the guards it installs are the ones
+    torch drops on load anyway (identity guards), which kernelpack's signature check replaces."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        yield
