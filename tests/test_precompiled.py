@@ -4,6 +4,7 @@ loaded again in a fresh process with the tier-1 cache, bitwise equal and with no
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,8 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     recipe = Path(__file__).parent.parent / "recipes" / "smoke-cpu.toml"
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
-    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    root = str(Path(__file__).parent.parent)  # this checkout's kernelpack, whatever is installed
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
     blob = tmp_path / "fn.bin"
     subprocess.run([sys.executable, str(script), str(recipe), "save", str(blob)], env=env, check=True, timeout=600)
     proc = subprocess.run(
