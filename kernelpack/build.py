@@ -263,6 +263,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
             f"more graph(s) ({', '.join(evidence.compiled_anything(call.lengths_counters)) or 'cache hits'})"
         )
         problem = f"{problem}; {range_problem}" if problem else range_problem
+    tier2 = _precompile(config, device, index)
     return {
         "seconds": call.seconds,
         "errors": call.errors,
@@ -272,7 +273,45 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "score_key": call.score_key,
         "key_settings": key_settings(config.device),
         "problem": problem,
+        "precompiled": tier2,
     }
+
+
+PRECOMPILED_DIR = "kernelpack-precompiled"  # in the cache dir: packed and installed with tier 1's files
+
+
+def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
+    """Tier 2 (issue 18, work in progress): each graph's canonical call aot-compiled and saved into this worker's
+    cache dir (so packed beside tier 1's files), or why not. A failure here leaves tier 1 serving the config."""
+    import os
+    import time as _time
+
+    from . import precompiled, settings
+    from .canonical import arguments, make_inputs
+    from .masks import block_mask_for
+
+    reason = precompiled.unavailable()
+    if reason is not None or os.environ.get("KERNELPACK_PRECOMPILE") == "0":
+        return {"skipped": reason or "KERNELPACK_PRECOMPILE=0"}
+    if config.q_range is not None:
+        return {"skipped": "a dynamic range config (not yet)"}
+    cache = settings.inductor_cache_dir()
+    assert cache is not None  # the builder gives every worker its own
+    out: dict[str, Any] = {"graphs": {}}
+    bm = block_mask_for(config, device)
+    for graph in config.graphs:
+        start = _time.perf_counter()
+        try:
+            args = arguments(config, make_inputs(config, device, graph, random=False), bm)
+            blob = precompiled.dumps(precompiled.compile_call(args, grad=graph == "fwd+bwd", mode=config.mode))
+        except Exception as e:  # tier 1 serves the config; the manifest will say why tier 2 does not
+            out["graphs"][graph] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            continue
+        path = Path(cache) / PRECOMPILED_DIR / f"{config.id}-{index}-{graph.replace('+', '_')}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
+        out["graphs"][graph] = {"bytes": len(blob), "seconds": round(_time.perf_counter() - start, 3)}
+    return out
 
 
 if __name__ == "__main__":
