@@ -42,8 +42,9 @@ from ._fs import sha256_file
 from ._version import __version__
 from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, KernelpackError
 from .keys import BuildKey, differences
+from .precompiled import DIR as PRECOMPILED_DIR
 from .recipe import Config, check_name
-from .signature import CallSignature
+from .signature import GRAPHS, CallSignature
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -114,6 +115,16 @@ def created_now() -> int:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Precompiled:
+    """Tier 2: one graph's aot-compiled function on one device index, a file of the artifact (issue 18)."""
+
+    device: int
+    graph: str
+    path: str  # relative to the cache dir, listed in the manifest's files
+    seconds: float = 0.0  # what aot_compile took in the builder
+
+
+@dataclass(frozen=True, slots=True)
 class BuiltConfig:
     """A config the artifact holds, on the device indices it was built and checked on."""
 
@@ -124,10 +135,15 @@ class BuiltConfig:
     compile_seconds: float = 0.0  # the slowest device's first call in the builder
     compile_seconds_by_device: tuple[tuple[int, float], ...] = ()
     max_rel_error: float = 0.0  # against the float64 reference
+    precompiled: tuple[Precompiled, ...] = ()  # tier 2's functions; the inductor cache serves every other graph
+    not_precompiled: str = ""  # why a graph has no tier-2 function ("" when every graph has one)
 
     @property
     def id(self) -> str:
         return self.config.id
+
+    def precompiled_for(self, device: int, graph: str) -> Precompiled | None:
+        return next((p for p in self.precompiled if p.device == device and p.graph == graph), None)
 
     def signatures(self, device_index: int) -> tuple[CallSignature, ...]:
         """The calls this entry serves on one device: one per graph built."""
@@ -283,6 +299,8 @@ class Manifest:
                     "compile_seconds": c.compile_seconds,
                     "compile_seconds_by_device": {str(dev): s for dev, s in c.compile_seconds_by_device},
                     "max_rel_error": c.max_rel_error,
+                    **({"precompiled": [dataclasses.asdict(p) for p in c.precompiled]} if c.precompiled else {}),
+                    **({"not_precompiled": c.not_precompiled} if c.not_precompiled else {}),
                 }
                 for c in self.configs
             ],
@@ -349,6 +367,10 @@ class Manifest:
             signatures = sum(len(c.devices) * len(c.config.graphs) for c in configs)
             if signatures > MAX_SIGNATURES:
                 raise ValueError(f"{signatures} covered calls, over the limit of {MAX_SIGNATURES}")
+            for c in configs:
+                for p in c.precompiled:
+                    if p.path not in files:
+                        raise ValueError(f"config {c.id}: precompiled {p.path!r} is not among the files")
             where = "failed"
             failed = tuple(
                 FailedConfig(config=_config(f), device=_index(f.get("device", 0)), error=str(f.get("error", "")))
@@ -432,6 +454,9 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     score_key = entry.get("score_key", "")
     if not isinstance(score_key, str):
         raise TypeError("score_key must be a string")
+    not_precompiled = entry.get("not_precompiled", "")
+    if not isinstance(not_precompiled, str):
+        raise TypeError("not_precompiled must be a string")
     return BuiltConfig(
         config=config,
         devices=_devices(entry.get("devices", legacy_devices)),
@@ -440,6 +465,21 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
         compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),
         max_rel_error=_number(entry.get("max_rel_error", 0.0)),
+        precompiled=tuple(_precompiled(p) for p in _list(entry.get("precompiled", []))),
+        not_precompiled=not_precompiled,
+    )
+
+
+def _precompiled(entry: object) -> Precompiled:
+    if not isinstance(entry, dict):
+        raise TypeError("each precompiled entry must be an object")
+    graph, path = entry.get("graph"), entry.get("path")
+    if graph not in GRAPHS:
+        raise ValueError(f"precompiled graph must be one of {list(GRAPHS)}, got {graph!r}")
+    if not isinstance(path, str) or not path.startswith(PRECOMPILED_DIR + "/") or ".." in path.split("/"):
+        raise ValueError(f"precompiled path must be a file under {PRECOMPILED_DIR}/, got {path!r}")
+    return Precompiled(
+        device=_index(entry.get("device")), graph=graph, path=path, seconds=_number(entry.get("seconds", 0.0))
     )
 
 
@@ -588,6 +628,8 @@ def merge_manifests(manifests: Sequence[Manifest], names: Sequence[str]) -> Mani
                         sorted(dict(c.compile_seconds_by_device + seen.compile_seconds_by_device).items())
                     ),
                     max_rel_error=max(seen.max_rel_error, c.max_rel_error),
+                    precompiled=tuple(sorted({*seen.precompiled, *c.precompiled}, key=lambda p: (p.device, p.graph))),
+                    not_precompiled=seen.not_precompiled or c.not_precompiled,
                 )
             configs[c.id] = c
     if not configs:

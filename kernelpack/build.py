@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _worker, evidence
+from . import _fs, _worker, evidence
 from . import artifact as art
 from .compiled import key_settings
 from .errors import BuildError, KernelpackError
@@ -43,6 +43,7 @@ class ConfigOutcome:
     message: str = ""
     log_tail: str = ""
     cache_dir: Path | None = None
+    precompiled: dict[str, Any] = field(default_factory=dict)  # tier 2: {"graphs": {graph: {path, seconds}}, "missing"}
 
 
 class BuildProgress:
@@ -159,6 +160,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         message="; ".join(messages),
         log_tail=outcome.log_tail,
         cache_dir=cache_dir,
+        precompiled=r.get("precompiled", {}),
     )
 
 
@@ -225,6 +227,12 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
                 compile_seconds=round(max(o.seconds for o in outs), 3),
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
                 max_rel_error=max((e for o in outs for e in o.errors.values()), default=0.0),
+                precompiled=tuple(
+                    art.Precompiled(device=o.device_index, graph=g, path=p["path"], seconds=p["seconds"])
+                    for o in outs
+                    for g, p in sorted(o.precompiled.get("graphs", {}).items())
+                ),
+                not_precompiled="; ".join(sorted({m for o in outs if (m := o.precompiled.get("missing"))})),
             )
         )
     return tuple(entries)
@@ -263,11 +271,12 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
             f"more graph(s) ({', '.join(evidence.compiled_anything(call.lengths_counters)) or 'cache hits'})"
         )
         problem = f"{problem}; {range_problem}" if problem else range_problem
-    tier2 = _precompile(config, device, index)
+    counters = evidence.delta(before, evidence.snapshot())  # tier 1's compile, as before tier 2
+    tier2 = _precompile(config, device, index) if not problem else {"graphs": {}, "missing": "not built"}
     return {
         "seconds": call.seconds,
         "errors": call.errors,
-        "counters": evidence.delta(before, evidence.snapshot()),
+        "counters": counters,
         "build_key": probe(config.device, index).to_dict(),
         "mask_key": call.mask_key,
         "score_key": call.score_key,
@@ -277,41 +286,40 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-PRECOMPILED_DIR = "kernelpack-precompiled"  # in the cache dir: packed and installed with tier 1's files
-
-
 def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
-    """Tier 2 (issue 18, work in progress): each graph's canonical call aot-compiled and saved into this worker's
-    cache dir (so packed beside tier 1's files), or why not. A failure here leaves tier 1 serving the config."""
-    import os
-    import time as _time
-
+    """Tier 2 (issue 18): each graph's canonical call aot-compiled (after tier 1's compile, whose inductor cache it
+    reuses) and saved into this worker's cache dir, so packed and hashed with tier 1's files. Returns
+    ``{"graphs": {graph: {"path", "seconds"}}, "missing": why some graph has none}``; a failure here leaves tier 1
+    serving the graph."""
     from . import precompiled, settings
     from .canonical import arguments, make_inputs
     from .masks import block_mask_for
 
     reason = precompiled.unavailable()
-    if reason is not None or os.environ.get("KERNELPACK_PRECOMPILE") == "0":
-        return {"skipped": reason or "KERNELPACK_PRECOMPILE=0"}
-    if config.q_range is not None:
-        return {"skipped": "a dynamic range config (not yet)"}
+    if reason is None and not settings.precompile_at_build():
+        reason = "built with KERNELPACK_PRECOMPILE=0"
+    if reason is None and config.q_range is not None:
+        reason = "a dynamic range config: its graph is served by the inductor cache (tier 1)"
+    if reason is not None:
+        return {"graphs": {}, "missing": reason}
     cache = settings.inductor_cache_dir()
     assert cache is not None  # the builder gives every worker its own
-    out: dict[str, Any] = {"graphs": {}}
+    graphs: dict[str, Any] = {}
+    missing = []
     bm = block_mask_for(config, device)
     for graph in config.graphs:
-        start = _time.perf_counter()
+        start = time.perf_counter()
         try:
             args = arguments(config, make_inputs(config, device, graph, random=False), bm)
             blob = precompiled.dumps(precompiled.compile_call(args, grad=graph == "fwd+bwd", mode=config.mode))
-        except Exception as e:  # tier 1 serves the config; the manifest will say why tier 2 does not
-            out["graphs"][graph] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        except Exception as e:  # tier 1 serves the graph; the manifest says why tier 2 does not
+            missing.append(f"{graph}: aot_compile failed: {type(e).__name__}: {e}"[:500])
             continue
-        path = Path(cache) / PRECOMPILED_DIR / f"{config.id}-{index}-{graph.replace('+', '_')}.bin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(blob)
-        out["graphs"][graph] = {"bytes": len(blob), "seconds": round(_time.perf_counter() - start, 3)}
-    return out
+        rel = precompiled.file_name(config.id, index, graph)
+        (Path(cache) / rel).parent.mkdir(parents=True, exist_ok=True)
+        _fs.write_bytes(Path(cache) / rel, blob)
+        graphs[graph] = {"path": rel, "seconds": round(time.perf_counter() - start, 3)}
+    return {"graphs": graphs, "missing": "; ".join(missing)}
 
 
 if __name__ == "__main__":

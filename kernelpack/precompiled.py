@@ -1,5 +1,5 @@
-"""Tier 2, precompiled functions (issue 18, work in progress): torch's ``aot_compile`` of a config's canonical call,
-saved by the builder beside the inductor cache, loaded by the runtime and called without Dynamo.
+"""Tier 2, precompiled functions (issue 18): torch's ``aot_compile`` of a config's canonical call, saved by the builder
+beside the inductor cache (tier 1), loaded by the runtime and called without Dynamo.
 
 A mechanism, like :mod:`kernelpack.compiled`: it knows calls and bytes, not artifacts or activation. Every workaround
 for a torch version's bug on this path is in this module, and each is skipped where torch does not need it.
@@ -13,11 +13,14 @@ What torch 2.13.0+cpu does (bench/precompile_probe.py): ``torch.compiler.save_co
 from __future__ import annotations
 
 import contextlib
+import dis
 import io
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+DIR = "kernelpack-precompiled"  # in the cache dir, beside tier 1's files: packed, hashed and installed with them
 
 # torch raises this while unpickling a loaded function's guards outside a trace (2.11, 2.13)
 _NO_TRACING_CONTEXT = "TracingContext.get() must be called within an ongoing trace"
@@ -63,6 +66,49 @@ def dumps(fn: Any) -> bytes:
             fn.save_compiled_function(path)
         with open(path, "rb") as f:
             return f.read()
+
+
+def file_name(config_id: str, device_index: int, graph: str) -> str:
+    """Where the builder writes a graph's function, relative to the cache dir."""
+    return f"{DIR}/{config_id}-{device_index}-{graph.replace('+', '_')}.bin"
+
+
+class Loaded:
+    """A loaded function, called by flex_attention's parameter names. torch's own guard check (what remains of
+    Dynamo's guards once identity guards are dropped: shapes, strides, dtypes, grad mode, constants) runs through
+    :meth:`serves`; the caller has already checked the call signature, which stands in for the dropped guards (the
+    mask_mod's and score_mod's code, by what they compute)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+        # The loaded function's frame runs in a globals dict of its own (torch's GraphRuntimeEnv.forward_callable).
+        # Bytecode that writes globals would race between threads calling it at once: such a function is not
+        # served (the caller falls back to tier 1), so one function serves every thread without a lock.
+        code = fn.fn.__code__
+        writes = sorted({i.argval for i in dis.get_instructions(code) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")})
+        if writes:
+            raise RuntimeError(f"its bytecode writes the globals {writes}: not safe to call from several threads")
+        fn.disable_guard_check()  # checked once per call in serves(), not again in __call__
+
+    def serves(self, arguments: Mapping[str, Any]) -> bool:
+        return bool(self._fn.guard_check(**arguments))
+
+    def guard_failure(self, arguments: Mapping[str, Any]) -> str:
+        """Which of torch's guards this call fails ("" when it passes or torch does not say)."""
+        try:
+            manager = self._fn._artifacts.guard_manager
+            return str(manager.check_verbose(self._fn.prepare_f_locals(**arguments)).verbose_code_parts)
+        except Exception:  # private API: the reason is a courtesy, the refusal stands without it
+            return ""
+
+    def __call__(self, arguments: Mapping[str, Any]) -> Any:
+        return self._fn(**arguments)
+
+
+def load(path: str | os.PathLike[str]) -> Loaded:
+    """The function the builder saved at ``path``; raises when torch cannot load it or it is unsafe to share."""
+    with open(path, "rb") as f:
+        return Loaded(loads(f.read()))
 
 
 def loads(blob: bytes) -> Callable[..., Any]:

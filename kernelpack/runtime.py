@@ -39,12 +39,12 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import evidence, settings
+from . import evidence, precompiled, settings
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -208,6 +208,7 @@ class FirstCall:
     seconds: float
     counters: dict[str, int]
     warmup: bool = False  # made by activate()'s warm-up, not by the job
+    tier: str = "inductor-cache"  # what served it: "precompiled" (tier 2) or "inductor-cache" (tier 1)
 
     @property
     def compiled(self) -> list[str]:
@@ -269,6 +270,10 @@ class Warmup:
         self.masks: dict[str, list[Any]] = {}  # the warmed mask functions, by the key of their graph
         self.score_mods: dict[str, list[Any]] = {}  # the warmed score_mods, likewise
         self.by_entry: dict[Any, CallSignature] = {}  # served_by's entries -> the signature each was warmed for
+        # tier 2: the loaded precompiled function of each signature it serves, and for every other warmed signature
+        # why the inductor cache (tier 1) serves it instead
+        self.precompiled: dict[CallSignature, precompiled.Loaded] = {}
+        self.tier1_why: dict[CallSignature, str] = {}
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -277,7 +282,8 @@ class Warmup:
             return f"warm-up failed: {type(self.error).__name__}: {self.error}"
         dynamic = sum(s.dynamic for s in self.signatures)
         ranges = f" ({dynamic} of them dynamic graphs, each serving its range)" if dynamic else ""
-        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s{ranges}"
+        tiers = f", {len(self.precompiled)} served by precompiled functions" if self.precompiled else ""
+        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s{ranges}{tiers}"
 
     def wait(self) -> None:
         """Until the warm-up is done (bounded); raises if it failed."""
@@ -307,8 +313,8 @@ class _State:
     warned_sites: set[str] = field(default_factory=set)  # call sites warned of a compile kernelpack only observed
     since: int = 0  # evidence records from this mark on are this activation's
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # after a warm-up, per warmed signature: [calls served, q min, q max, kv min, kv max]
-    served: dict[CallSignature, list[int]] = field(default_factory=dict)
+    # after a warm-up, per (warmed signature, tier): [calls served, q min, q max, kv min, kv max]
+    served: dict[tuple[CallSignature, str], list[int]] = field(default_factory=dict)
 
 
 _state = _State()
@@ -459,7 +465,8 @@ def _warm_up(state: _State, activation: Activation) -> None:
                 _remember(warm.masks, bm.mask_mod, "mask")
                 _remember(warm.score_mods, score_mod, "score")
                 for sig in sigs:
-                    _warm_one(state, warm, built, sig, device, bm)
+                    if not _load_precompiled(state, warm, activation, built, sig, device, bm):
+                        _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
         warm.by_entry = {e: sig for sig, e in warm.entries.items() if e is not None}
     except BaseException as e:
@@ -490,6 +497,66 @@ def _remember(warmed: dict[str, list[Any]], fn: Callable[..., Any] | None, kind:
     graph = mod_graph(fn, kind) if fn is not None else None
     if graph is not None and fn not in warmed.setdefault(graph.key, []):
         warmed[graph.key].append(fn)
+
+
+def _tier2_unavailable() -> str | None:
+    """Why no call is served by a precompiled function in this process, or None."""
+    if not settings.precompiled():
+        return "KERNELPACK_PRECOMPILED=0"
+    return precompiled.unavailable()
+
+
+def _load_precompiled(
+    state: _State, warm: Warmup, activation: Activation, built: BuiltConfig, sig: CallSignature, device: str, bm: Any
+) -> bool:
+    """Tier 2 for one warmed signature: load its precompiled function from the installed cache and make the canonical
+    call through it (kernel loading happens here, not in the job's first step). On any failure the inductor cache
+    serves the signature (the caller warms it) and :attr:`Warmup.tier1_why` says why. Runs in the warm-up's thread:
+    never at the first-call gate, never on an autograd engine thread."""
+    import torch
+
+    config = built.config
+    assert activation.install is not None
+    entry = built.precompiled_for(sig.device_index or 0, sig.graph)
+    why = _tier2_unavailable()
+    if why is None and entry is None:
+        why = built.not_precompiled or "the artifact has no precompiled function for it"
+    if why is not None or entry is None:
+        warm.tier1_why[sig] = why or ""
+        return False
+    try:
+        with _measured(_Call("kernelpack warm-up", sig)) as measured:
+            loaded = precompiled.load(Path(activation.install.cache_dir, entry.path))
+
+            def call(**arguments: Any) -> Any:
+                if not loaded.serves(arguments):
+                    raise RuntimeError(f"the canonical call fails its guards: {loaded.guard_failure(arguments)}")
+                return loaded(arguments)
+
+            inputs = make_inputs(config, device, sig.graph, random=False)
+            dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
+            canonical_call(call, config, sig.graph, inputs, bm, dout)
+            if config.device == "cuda":
+                torch.cuda.synchronize(device)
+    except Exception as e:  # tier 1 serves it, and the report says why
+        warm.tier1_why[sig] = f"its precompiled function failed to load or run: {type(e).__name__}: {e}"[:1000]
+        log.warning("kernelpack: %s: %s; the inductor cache serves it", sig.describe(), warm.tier1_why[sig])
+        return False
+    warm.precompiled[sig] = loaded
+    warm.signatures.add(sig)
+    with state.lock:
+        state.first_calls.append(
+            FirstCall(
+                sig,
+                config.id,
+                threading.current_thread().name,
+                measured.seconds,
+                measured.counters,
+                warmup=True,
+                tier="precompiled",
+            )
+        )
+    return True
 
 
 def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignature, device: str, bm: Any) -> None:
@@ -706,6 +773,15 @@ def _serve(
     # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
+    if warm.precompiled:
+        sig = _signature(mode, dynamic, arguments)
+        loaded = warm.precompiled.get(sig)  # the exact signature, which stands in for the guards torch dropped
+        if loaded is not None:
+            for candidate in (arguments, *_substitutes(warm, arguments)):
+                if loaded.serves(candidate):
+                    _count_served(state, sig, arguments, "precompiled")
+                    with evidence.tagged(_SERVED):
+                        return loaded(candidate)
     # the static graphs first (faster kernels), then the dynamic ones of the artifact's range configs
     options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
     for m, d in options:
@@ -718,7 +794,7 @@ def _serve(
             # static one.
             hit = False
         if hit:
-            _count_served(state, warm.by_entry.get(hit, hit), arguments)
+            _count_served(state, warm.by_entry.get(hit, hit), arguments, "inductor-cache")
             with evidence.tagged(_SERVED):
                 return compiled_flex_attention(m, d)(**arguments)
     for m, d in options:
@@ -727,7 +803,7 @@ def _serve(
             same = None
         if same is not None:
             candidate, entry = same
-            _count_served(state, warm.by_entry.get(entry, entry), arguments)
+            _count_served(state, warm.by_entry.get(entry, entry), arguments, "inductor-cache")
             with evidence.tagged(_SERVED):
                 return compiled_flex_attention(m, d)(**candidate)
     sig = _signature(mode, dynamic, arguments)
@@ -758,15 +834,16 @@ def _warmed_signature(active: Activation, warm: Warmup, sig: CallSignature) -> C
     return None
 
 
-def _count_served(state: _State, sig: Any, arguments: Mapping[str, Any]) -> None:
-    """One served call, under the warmed signature that served it: which graph served which lengths (report)."""
+def _count_served(state: _State, sig: Any, arguments: Mapping[str, Any], tier: str) -> None:
+    """One served call, under the warmed signature and the tier that served it: which graph served which lengths
+    (report)."""
     if not isinstance(sig, CallSignature):
         return
     q, kv = int(arguments["query"].shape[-2]), int(arguments["key"].shape[-2])
     with state.lock:
-        seen = state.served.get(sig)
+        seen = state.served.get((sig, tier))
         if seen is None:
-            state.served[sig] = [1, q, q, kv, kv]
+            state.served[(sig, tier)] = [1, q, q, kv, kv]
         else:
             seen[0] += 1
             seen[1], seen[2], seen[3], seen[4] = min(seen[1], q), max(seen[2], q), min(seen[3], kv), max(seen[4], kv)
@@ -780,21 +857,28 @@ def _with_warmed_mods(
     warmed function in its place. Dynamo guards on the function's code object, so the user's own would be traced;
     the warmed one computes the same thing by construction (a mask over the same block tables). Returns the
     arguments that are served and the entry that serves them, or None."""
+    for candidate in _substitutes(warm, arguments):
+        entry = dynamo_hit(candidate, warm.served_by, mode, dynamic)
+        if entry:
+            return candidate, entry
+    return None
+
+
+def _substitutes(warm: Warmup, arguments: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The call with warmed mask_mods and score_mods of the same graphs in place of its own (not the call as it is).
+    A precompiled function's guards (closure cells) hold for the warmed functions' layout too."""
     block_mask = arguments.get("block_mask")
     mask_mods = _equivalents(warm.masks, getattr(block_mask, "mask_mod", None), "mask")
     score_mods = _equivalents(warm.score_mods, arguments.get("score_mod"), "score")
     for mask_mod in mask_mods:
         for score_mod in score_mods:
             if mask_mod is mask_mods[0] and score_mod is score_mods[0]:
-                continue  # the call as it is: not served
+                continue  # the call as it is
             candidate = dict(arguments, score_mod=score_mod)
             if block_mask is not None and mask_mod is not block_mask.mask_mod:
                 candidate["block_mask"] = copy.copy(block_mask)
                 candidate["block_mask"].mask_mod = mask_mod
-            entry = dynamo_hit(candidate, warm.served_by, mode, dynamic)
-            if entry:
-                return candidate, entry
-    return None
+            yield candidate
 
 
 def _equivalents(warmed: dict[str, list[Any]], fn: Any, kind: Literal["mask", "score"]) -> list[Any]:
@@ -854,6 +938,8 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
     else:
         entry = warm.entries.get(warmed)
         failed = guard_failure(entry, arguments) if entry is not None else ""
+        if warmed in warm.precompiled:  # tier 2 serves this signature: its own guards said no
+            failed = warm.precompiled[warmed].guard_failure(arguments)
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
             "Dynamo guards on: " + (failed or "(torch does not say which guard)")
@@ -1147,8 +1233,11 @@ class RuntimeReport:
     dense: list[evidence.DenseRecord] = field(default_factory=list)  # every dense flex_attention call
     compile_detection: str = ""  # how compiles were seen (evidence.compile_detection)
     # after a warm-up, which warmed graph served which calls: (the warmed signature, its config, calls, the lengths
-    # served as (q min, q max, kv min, kv max))
-    served: list[tuple[CallSignature, str | None, int, tuple[int, int, int, int]]] = field(default_factory=list)
+    # served as (q min, q max, kv min, kv max), the tier: "precompiled" or "inductor-cache")
+    served: list[tuple[CallSignature, str | None, int, tuple[int, int, int, int], str]] = field(default_factory=list)
+    # the warmed signatures the inductor cache serves (tier 1) rather than a precompiled function, and why
+    tier1: list[tuple[CallSignature, str]] = field(default_factory=list)
+    precompiled: int = 0  # warmed signatures served by precompiled functions (tier 2)
 
     @property
     def compiled(self) -> list[FirstCall]:
@@ -1182,6 +1271,8 @@ class RuntimeReport:
         warm = sum(c.warmup for c in self.first_calls)
         text += f"; {len(self.first_calls)} first calls ({self.first_call_seconds:.2f} s"
         text += f", {warm} by the warm-up)" if warm else ")"
+        if self.precompiled or self.tier1:
+            text += f"; {self.precompiled} signatures precompiled, {len(self.tier1)} from the inductor cache"
         if self.dense:
             text += f"; {len(self.dense)} dense flex_attention calls"
         if self.refused:
@@ -1200,6 +1291,7 @@ class RuntimeReport:
                     "config": c.config_id,
                     "thread": c.thread,
                     "warmup": c.warmup,
+                    "tier": c.tier,
                     "seconds": c.seconds,
                     "compiled": c.compiled,
                     "counters": {k: v for k, v in c.counters.items() if v},
@@ -1217,9 +1309,12 @@ class RuntimeReport:
                     "calls": calls,
                     "q_len": [lens[0], lens[1]],
                     "kv_len": [lens[2], lens[3]],
+                    "tier": tier,
                 }
-                for sig, config_id, calls, lens in self.served
+                for sig, config_id, calls, lens, tier in self.served
             ],
+            "precompiled": self.precompiled,
+            "inductor_cache_tier": [{"call": sig.describe(), "why": why} for sig, why in self.tier1],
         }
 
 
@@ -1276,9 +1371,11 @@ def report() -> RuntimeReport:
                 c.id if active is not None and (c := active.covers(sig).entry) is not None else None,
                 seen[0],
                 (seen[1], seen[2], seen[3], seen[4]),
+                tier,
             )
-            for sig, seen in state.served.items()
+            for (sig, tier), seen in state.served.items()
         ]
+        done = warm is not None and warm.done.is_set()
         return RuntimeReport(
             list(state.first_calls),
             list(state.refused),
@@ -1287,6 +1384,8 @@ def report() -> RuntimeReport:
             evidence.dense_records(since),
             evidence.compile_detection,
             served,
+            sorted(warm.tier1_why.items(), key=lambda x: x[0].describe()) if done and warm is not None else [],
+            len(warm.precompiled) if done and warm is not None else 0,
         )
 
 

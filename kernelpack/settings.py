@@ -129,6 +129,17 @@ def install_lock() -> bool:
     return _flag("KERNELPACK_INSTALL_LOCK", True)
 
 
+def precompiled() -> bool:
+    """``KERNELPACK_PRECOMPILED=0``: serve every call from the inductor cache (tier 1), loading no precompiled
+    function (tier 2); the report says so for each call."""
+    return _flag("KERNELPACK_PRECOMPILED", True)
+
+
+def precompile_at_build() -> bool:
+    """``KERNELPACK_PRECOMPILE=0`` at build time: build tier 1 only (no aot-compiled functions in the artifact)."""
+    return _flag("KERNELPACK_PRECOMPILE", True)
+
+
 def lock_timeout() -> float:
     """``KERNELPACK_LOCK_TIMEOUT``: seconds any kernelpack file lock is waited for."""
     return _seconds("KERNELPACK_LOCK_TIMEOUT", 600.0)
