@@ -44,7 +44,7 @@ from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, Kernelpac
 from .keys import BuildKey, differences
 from .precompiled import DIR as PRECOMPILED_DIR
 from .recipe import Config, check_name
-from .signature import GRAPHS, CallSignature
+from .signature import GRAPHS, CallSignature, Graph
 
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -119,7 +119,7 @@ class Precompiled:
     """Tier 2: one graph's aot-compiled function on one device index, a file of the artifact (issue 18)."""
 
     device: int
-    graph: str
+    graph: Graph
     path: str  # relative to the cache dir, listed in the manifest's files
     seconds: float = 0.0  # what aot_compile took in the builder
 
@@ -142,7 +142,7 @@ class BuiltConfig:
     def id(self) -> str:
         return self.config.id
 
-    def precompiled_for(self, device: int, graph: str) -> Precompiled | None:
+    def precompiled_for(self, device: int, graph: Graph) -> Precompiled | None:
         return next((p for p in self.precompiled if p.device == device and p.graph == graph), None)
 
     def signatures(self, device_index: int) -> tuple[CallSignature, ...]:
@@ -479,7 +479,10 @@ def _precompiled(entry: object) -> Precompiled:
     if not isinstance(path, str) or not path.startswith(PRECOMPILED_DIR + "/") or ".." in path.split("/"):
         raise ValueError(f"precompiled path must be a file under {PRECOMPILED_DIR}/, got {path!r}")
     return Precompiled(
-        device=_index(entry.get("device")), graph=graph, path=path, seconds=_number(entry.get("seconds", 0.0))
+        device=_index(entry.get("device")),
+        graph=graph,  # type: ignore[arg-type]  # checked against GRAPHS above
+        path=path,
+        seconds=_number(entry.get("seconds", 0.0)),
     )
 
 

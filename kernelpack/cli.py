@@ -247,11 +247,18 @@ def verify_cmd(ctx: click.Context, artifact: str, as_json: bool, seed: int | Non
         f"{t['dense_calls']}"
     )
     click.echo(f"install {data['install_seconds']:.2f} s, first calls {data['first_step_seconds']:.2f} s in total")
+    graphs = [(c, g, t) for c in data["configs"] for g, t in c.get("tiers", {}).items()]
+    tier1 = sorted({t.get("why") or "" for _, _, t in graphs if t["tier"] != "precompiled"})
+    click.echo(
+        f"{data.get('precompiled', 0)} of {len(graphs)} graph(s) served by precompiled functions (tier 2)"
+        + (f"; the inductor cache serves the rest: {'; '.join(tier1)}" if tier1 else "")
+    )
     if data.get("triton_detection", "").startswith("unavailable"):
         click.echo(f"warning: Triton compiles could not be observed: {data['triton_detection']}", err=True)
     if ctx.obj["verbose"]:
         for c in data["configs"]:
-            click.echo(f"  {c['describe']}: {c['seconds']:.2f} s")
+            tiers = ", ".join(f"{g} {t['tier']}" for g, t in c.get("tiers", {}).items())
+            click.echo(f"  {c['describe']}: {c['seconds']:.2f} s ({tiers})")
 
 
 @commands.command(name="merge")

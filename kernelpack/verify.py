@@ -17,11 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _worker, evidence
+from . import _worker, evidence, precompiled
 from . import artifact as art
 from .errors import VerifyError
 from .installer import install_artifact
-from .workload import check_errors, range_lengths, run_config
+from .workload import (
+    TOLERANCE,
+    PrecompiledResult,
+    check_errors,
+    compare_precompiled,
+    range_lengths,
+    run_config,
+    run_precompiled,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +92,42 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
     report["installed_files"] = result.written
     pairs = result.manifest.pairs()
     random.Random(seed).shuffle(pairs)
+    tier2_off = precompiled.unavailable()
     for built, index in pairs:
         config = built.config
         device = "cpu" if config.device == "cpu" else f"cuda:{index}"
+        # Tier 2 first, in this fresh process: loading and calling a precompiled function must trace and compile
+        # nothing, and give tier 1's outputs
+        tier2: list[tuple[PrecompiledResult, Any]] = []
+        for graph in config.graphs:
+            entry = built.precompiled_for(index, graph)
+            if entry is not None and tier2_off is None:
+                tier2.append(run_precompiled(config, device, str(Path(result.cache_dir, entry.path)), graph))
         before = evidence.snapshot()
         call = run_config(config, device, check=check, lengths=range_lengths(config, n_lengths, seed))
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
+        tiers: dict[str, dict[str, Any]] = {}
+        for graph in config.graphs:
+            entry = built.precompiled_for(index, graph)
+            why = tier2_off if entry is not None else built.not_precompiled or "no precompiled function"
+            tiers[graph] = {"tier": "inductor-cache", "why": why}
+        for r, outputs in tier2:
+            if not r.error:
+                r = compare_precompiled(config, device, r, outputs)
+            problems = [f"failed: {r.error}"] if r.error else []
+            if evidence.compiled_anything(r.counters) or r.counters.get("frames.ok", 0):
+                problems.append(f"traced or compiled on load ({', '.join(evidence.compiled_anything(r.counters))})")
+            if r.equal is False and r.rel_error > TOLERANCE[config.dtype]:
+                problems.append(f"its outputs differ from tier 1's (rel. error {r.rel_error:.2e})")
+            reasons += [f"precompiled {r.graph}: {p}" for p in problems]
+            tiers[r.graph] = {
+                "tier": "precompiled" if not problems else "inductor-cache",
+                "seconds": r.seconds,
+                "equal": r.equal,
+                "rel_error": r.rel_error,
+                **({"why": "; ".join(problems)} if problems else {}),
+            }
         retraced = call.lengths_counters.get("frames.ok", 0)
         if retraced:
             reasons.append(f"Dynamo traced {retraced} more graph(s) at other lengths of its range")
@@ -109,10 +146,12 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 "errors": call.errors,
                 "counters": d,
                 "lengths": [list(x) for x in call.lengths],
+                "tiers": tiers,
                 "reasons": reasons,
             }
         )
     report["totals"] = {k: sum(c["counters"][k] for c in report["configs"]) for k in evidence.snapshot()}
+    report["precompiled"] = sum(t["tier"] == "precompiled" for c in report["configs"] for t in c["tiers"].values())
     report["first_step_seconds"] = sum(c["seconds"] for c in report["configs"])
     return report
 

@@ -18,7 +18,7 @@ from .evidence import delta, snapshot
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import SCORE_MODS
 from .runtime import flex_attention, guarded
-from .signature import mask_key, score_mod_key
+from .signature import Graph, mask_key, score_mod_key
 
 if TYPE_CHECKING:
     import torch
@@ -110,6 +110,60 @@ def _run_config(config: Config, device: Any, *, check: bool) -> CallResult:
                 errors[f"{graph}:lse"] = _rel_error(lse.nan_to_num(0.0, 0.0, 0.0), ref_lse.nan_to_num(0.0, 0.0, 0.0))
     score_key = score_mod_key(score_mod_for(config)) if config.score_mod not in SCORE_MODS else ""
     return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod), score_key=score_key)
+
+
+@dataclass(frozen=True, slots=True)
+class PrecompiledResult:
+    """Tier 2 of one graph in verify: what loading its function and its first canonical call took and compiled, and
+    how its outputs compare with tier 1's on the same inputs."""
+
+    graph: Graph
+    seconds: float = 0.0  # load + first canonical call, synchronized
+    counters: dict[str, int] = field(default_factory=dict)  # what they traced or compiled (nothing, or it failed)
+    error: str = ""  # the load or the call failed
+    equal: bool | None = None  # bitwise equal to tier 1's outputs (None: not compared)
+    rel_error: float = 0.0  # against tier 1's outputs
+
+
+def run_precompiled(config: Config, device: Any, path: str, graph: Graph) -> tuple[PrecompiledResult, Any]:
+    """Load a graph's precompiled function and make the canonical call (:func:`run_config`'s inputs) through it.
+    Returns the result and the outputs (out, *grads), for :func:`compare_precompiled` after tier 1 has run."""
+    from . import precompiled
+
+    bm = block_mask_for(config, device)
+    inputs = make_inputs(config, device, graph)
+    dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None
+    before = snapshot()
+    _sync(device)
+    start = time.perf_counter()
+    try:
+        loaded = precompiled.load(path)
+
+        def call(**arguments: Any) -> Any:
+            if not loaded.serves(arguments):
+                raise RuntimeError(f"the canonical call fails its guards: {loaded.guard_failure(arguments)}")
+            return loaded(arguments)
+
+        out, grads, _ = canonical_call(call, config, graph, inputs, bm, dout)
+        _sync(device)
+    except Exception as e:
+        return PrecompiledResult(graph, error=f"{type(e).__name__}: {e}"[:1000]), None
+    seconds = time.perf_counter() - start
+    return PrecompiledResult(graph, seconds, delta(before, snapshot())), (out, *grads)
+
+
+def compare_precompiled(config: Config, device: Any, result: PrecompiledResult, outputs: Any) -> PrecompiledResult:
+    """Tier 1's canonical call on the same inputs (warm by now), against tier 2's outputs."""
+    import torch
+
+    fn = flex_attention if (config.mode, config.dynamic) == ("default", False) else guarded(config.mode, config.dynamic)
+    inputs = make_inputs(config, device, result.graph)
+    dout = grad_output(inputs[0]) if result.graph == "fwd+bwd" else None
+    out, grads, _ = canonical_call(fn, config, result.graph, inputs, block_mask_for(config, device), dout)
+    pairs = list(zip(outputs, (out, *grads), strict=True))
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    rel = max(_rel_error(a.double(), b.detach().double()) for a, b in pairs)
+    return dataclasses.replace(result, equal=equal, rel_error=rel)
 
 
 def _aliased(grads: list[Any], alias: str) -> list[Any]:
