@@ -774,14 +774,16 @@ def _serve(
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
     if warm.precompiled:
-        sig = _signature(mode, dynamic, arguments)
-        loaded = warm.precompiled.get(sig)  # the exact signature, which stands in for the guards torch dropped
-        if loaded is not None:
-            for candidate in (arguments, *_substitutes(warm, arguments)):
-                if loaded.serves(candidate):
-                    _count_served(state, sig, arguments, "precompiled")
-                    with evidence.tagged(_SERVED):
-                        return loaded(candidate)
+        # The call as it is, then with the warmed mask_mod/score_mod of the same graph in place of its own (as tier 1
+        # serves it): its exact signature, which names what those functions compute, stands in for the identity
+        # guards torch dropped; torch's remaining guards run in serves().
+        for candidate in (arguments, *_substitutes(warm, arguments)):
+            sig = _signature(mode, dynamic, candidate)
+            loaded = warm.precompiled.get(sig)
+            if loaded is not None and loaded.serves(candidate):
+                _count_served(state, sig, arguments, "precompiled")
+                with evidence.tagged(_SERVED):
+                    return loaded(candidate)
     # the static graphs first (faster kernels), then the dynamic ones of the artifact's range configs
     options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
     for m, d in options:

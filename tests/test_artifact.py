@@ -322,6 +322,29 @@ def test_manifest_round_trips_through_json() -> None:
     assert m.to_dict()["configs"][0]["id"] == m.configs[0].config.id and m.to_dict()["device_index"] == 0
 
 
+def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() -> None:
+    """Tier 2's entries (issue 18): listed per config, device and graph; a path outside kernelpack-precompiled/ or
+    not among the files is refused, as is an unknown graph."""
+    blob = {"path": "kernelpack-precompiled/x-0-fwd_bwd.bin", "size": 3, "sha256": "0" * 64}
+    entry = {"device": 0, "graph": "fwd+bwd", "path": blob["path"], "seconds": 1.5}
+    config = {"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)", "precompiled": [entry]}
+    m = art.Manifest.from_dict({**with_configs(config), "files": [blob]}, source="m")
+    assert m.configs[0].precompiled_for(0, "fwd+bwd") == art.Precompiled(
+        device=0, graph="fwd+bwd", path=blob["path"], seconds=1.5
+    )
+    assert m.configs[0].precompiled_for(0, "fwd") is None and m.configs[0].precompiled_for(1, "fwd+bwd") is None
+    assert art.Manifest.from_dict(json.loads(m.to_json()), source="m") == m
+    bad = [
+        ({**entry, "path": "fxgraph/x"}, [blob], "under kernelpack-precompiled/"),
+        ({**entry, "path": "kernelpack-precompiled/../fxgraph/x"}, [blob], "under kernelpack-precompiled/"),
+        (entry, [], "not among the files"),
+        ({**entry, "graph": "bwd"}, [blob], "graph must be one of"),
+    ]
+    for wrong, files, fragment in bad:
+        with pytest.raises(ArtifactError, match=fragment):
+            art.Manifest.from_dict({**with_configs({**config, "precompiled": [wrong]}), "files": files}, source="m")
+
+
 def test_manifest_of_an_older_kernelpack_reads_with_its_fallbacks() -> None:
     """Before the typed manifest: no per-config devices (the top-level list) and no mask_key (the built-in mask's
     label is exactly what its mask_mod computes)."""

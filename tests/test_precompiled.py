@@ -59,3 +59,125 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["equal"] and out["frames"] == 0, out
+
+
+# ------------------------------------------------------------------------------------------------ the runtime
+
+JOB = """
+import json, sys, threading, torch
+from torch._dynamo.utils import counters
+import kernelpack
+from kernelpack import masks, runtime
+from kernelpack.errors import KernelpackError
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+
+def own_window(w):  # the user's own mask: what masks.sliding_window(w) computes, another function
+    def mine(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w)
+    return mine
+
+def other_code(w):  # the same closure layout, other code: torch's guards (no identity guards) would let it through
+    def every_other(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < w) & (kv_idx % 2 == 0)
+    return every_other
+
+gen = torch.Generator().manual_seed(0)
+def qkv():
+    return tuple(torch.randn(1, 2, 256, 64, generator=gen) for _ in range(3))
+
+def call(mask, inputs):
+    return kernelpack.flex_attention(*inputs, block_mask=masks.block_mask(mask, 256, 256, "cpu"))
+
+frames = counters["frames"]["ok"]
+outputs = {}
+inputs = qkv()
+for w in (64, 128):
+    outputs[f"builtin-{w}"] = call(masks.sliding_window(w), inputs)
+outputs["own-64"] = call(own_window(64), inputs)
+try:
+    call(other_code(64), inputs)
+    other = "served"
+except KernelpackError as e:
+    other = type(e).__name__
+batches = [qkv() for _ in range(8)]
+serial = [call(masks.sliding_window(64), b) for b in batches]
+threaded = [None] * len(batches)
+def worker(i):
+    for _ in range(5):
+        threaded[i] = call(own_window(64) if i % 2 else masks.sliding_window(64), batches[i])
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+for t in threads: t.start()
+for t in threads: t.join()
+torch.save(outputs, sys.argv[3])
+report = runtime.report().to_dict()
+print(json.dumps({
+    "frames": counters["frames"]["ok"] - frames,
+    "other_code": other,
+    "threads_equal": all(torch.equal(a, b) for a, b in zip(serial, threaded)),
+    "served": [(s["graph"], s["tier"], s["calls"]) for s in report["served"]],
+    "inductor_cache_tier": report["inductor_cache_tier"],
+    "first_calls": [(c["call"], c["tier"], c["compiled"]) for c in report["first_calls"]],
+    "refused": [r["why"] for r in report["refused"]],
+}))
+"""
+
+
+def _job(artifact: Path, cache: Path, out: Path, **env: str) -> dict:
+    root = str(Path(__file__).parent.parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", JOB, str(artifact), str(cache), str(out)],
+        env={**os.environ, "PYTHONPATH": root, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _tiers(result: dict) -> dict[str, str]:
+    return {graph: tier for graph, tier, _ in result["served"]}
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_covered_calls_are_served_by_precompiled_functions_without_dynamo(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A fresh process: activate() loads every graph's precompiled function; kernelpack.flex_attention serves both
+    configs, the user's own mask of the same graph and 8 threads at once through them with no Dynamo frame, with
+    tier 1's outputs bit for bit (KERNELPACK_PRECOMPILED=0); a mask with the same closure layout but other code,
+    which torch's own guards would let through, is refused by kernelpack's signature check."""
+    import torch
+
+    tier2 = _job(smoke_artifact, tmp_path / "c2", tmp_path / "o2.pt")
+    tier1 = _job(smoke_artifact, tmp_path / "c1", tmp_path / "o1.pt", KERNELPACK_PRECOMPILED="0")
+    assert set(_tiers(tier2).values()) == {"precompiled"} and len(tier2["served"]) == 2, tier2
+    assert [t for _, t, _ in tier2["first_calls"]] == ["precompiled", "precompiled"], tier2
+    assert tier2["frames"] == 0 and tier2["inductor_cache_tier"] == [] and tier2["threads_equal"], tier2
+    assert tier2["other_code"] == "NotPrecompiledError", tier2
+    assert set(_tiers(tier1).values()) == {"inductor-cache"}, tier1
+    assert {x["why"] for x in tier1["inductor_cache_tier"]} == {"KERNELPACK_PRECOMPILED=0"}, tier1
+    ours, theirs = torch.load(tmp_path / "o2.pt"), torch.load(tmp_path / "o1.pt")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_a_precompiled_function_that_fails_to_load_falls_back_to_the_inductor_cache(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """One installed function damaged: activate() says so, the inductor cache serves that config (warmed in its
+    place, nothing compiled), the other stays precompiled, and the outputs are unchanged."""
+    import torch
+
+    cache = tmp_path / "cache"
+    first = _job(smoke_artifact, cache, tmp_path / "o1.pt")
+    (damaged, *_) = sorted((cache / precompiled.DIR).glob("*.bin"))
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    second = _job(smoke_artifact, cache, tmp_path / "o2.pt")
+    (why,) = second["inductor_cache_tier"]
+    assert "failed to load or run" in why["why"], second
+    assert sorted(_tiers(second).values()) == ["inductor-cache", "precompiled"], second
+    assert why["call"] in _tiers(second) and _tiers(second)[why["call"]] == "inductor-cache", second
+    assert all(not compiled for _, _, compiled in second["first_calls"]), second
+    assert second["frames"] == 0 and second["other_code"] == "NotPrecompiledError", second
+    ours, theirs = torch.load(tmp_path / "o2.pt"), torch.load(tmp_path / "o1.pt")
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours) and first["threads_equal"] and second["threads_equal"]
