@@ -111,6 +111,30 @@ if [[ $what == varlen-collect ]]; then  # every small file of the run, in one ta
   tar czf "$OUT/varlen.tgz" -C /tmp/vl --exclude='*.kpack' --exclude=cold-cache .
   tail -5 /tmp/vl/ckpt.log /tmp/vl/driver.log; tail -c 600 /tmp/vl/varlen.err
 fi
+# Issue 18: build time with both tiers (median of 3 builds of RECIPE, --jobs 6), then time-to-first-step side by side:
+# cold, native warm, mega-cache, tier 1 (install only), activate() with tier 1 only, activate() with tier 2.
+# Detached (over 10 minutes); tiers-collect waits for it.
+if [[ $what == tiers-bg ]]; then
+  rm -rf /tmp/t18; mkdir -p /tmp/t18
+  setsid nohup bash -c '
+    for i in 1 2 3; do
+      s=$(date +%s.%N); python3 -m kernelpack.cli build '"${RECIPE:-recipes/dflash-drafter.toml}"' -o /tmp/t18/b$i --jobs 6 \
+        > /tmp/t18/build-$i.log 2>&1
+      echo "build $i wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a /tmp/t18/builds.txt
+    done
+    python3 -m kernelpack.cli inspect --json /tmp/t18/b1/*.kpack > /tmp/t18/manifest.json
+    python3 -m kernelpack.cli verify --json /tmp/t18/b1/*.kpack > /tmp/t18/verify.json 2>&1; echo "verify exit $?" >> /tmp/t18/builds.txt
+    python3 bench/warm_start.py --artifact /tmp/t18/b1/*.kpack --repeats 3 --cold-repeats 3 --tiers \
+      --out /tmp/t18/tiers.json > /tmp/t18/tiers.log 2>&1
+    touch /tmp/t18/done' > /tmp/t18/driver.log 2>&1 < /dev/null &
+  echo "tiers benchmark started in the background"
+fi
+if [[ $what == tiers-collect ]]; then
+  [[ -d /tmp/t18 ]] || { echo "no background run in /tmp/t18 on this machine (it went cold)"; exit 3; }
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t18/done ]] && break; sleep 5; done
+  tar czf "$OUT/tiers.tgz" -C /tmp/t18 --exclude='*.kpack' .
+  cat /tmp/t18/builds.txt; tail -20 /tmp/t18/tiers.log
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi

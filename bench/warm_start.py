@@ -4,9 +4,13 @@
   (b) warm      the same cache dir (a) filled: torch's native warm start
   (c) mega      torch.compiler.load_cache_artifacts() of the blob (a) saved, into an empty dir (load time included)
   (d) kernelpack kernelpack.install() of the artifact into an empty dir (install time included)
+  (e) tier1     runtime.activate() into an empty dir with KERNELPACK_PRECOMPILED=0: install, warm-up through the
+                inductor cache (Dynamo traces each call), then the calls through kernelpack.flex_attention
+  (f) tier2     runtime.activate() into an empty dir: install, load every precompiled function and call it once,
+                then the calls through kernelpack.flex_attention, served without Dynamo (issue 18)
 
-Time-to-first-step = preparation (load/install) + the first canonical call of every config (forward, and backward
-when built), synchronized. Import of torch/kernelpack and CUDA init are excluded for all four alike.
+Time-to-first-step = preparation (load/install/activate) + the first canonical call of every config (forward, and
+backward when built), synchronized. Import of torch/kernelpack and CUDA init are excluded for every mode alike.
 Prints a Markdown table; writes everything to --out as JSON.
 
     python bench/warm_start.py --artifact out/dflash-drafter-....kpack --repeats 3 --out results.json
@@ -51,6 +55,12 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         r = install(artifact, cache_dir)
         prep = time.perf_counter() - t0
         phases = r.timings
+    elif mode in ("tier1", "tier2"):  # KERNELPACK_PRECOMPILED is set per mode by run_child
+        from kernelpack import runtime
+
+        activation = runtime.activate(artifact, cache_dir=cache_dir)
+        prep = time.perf_counter() - t0
+        phases = {"install": activation.install.seconds if activation.install else 0.0}
     before = evidence.snapshot()
     calls = []
     for c in configs:
@@ -67,6 +77,11 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         "torch": torch.__version__,
         "git": torch.version.git_version,
     }
+    if mode in ("tier1", "tier2"):
+        report = runtime.report().to_dict()
+        out["tiers"] = sorted({s["tier"] for s in report["served"]})
+        # the warm-up's first call of each signature (load + call for tier 2): the per-config first-call cost
+        out["warmup_calls"] = [[c["call"], c["tier"], c["seconds"]] for c in report["first_calls"]]
     if mode == "cold":
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -79,6 +94,8 @@ def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: fl
     """One fresh process of ``script`` (this file, or bench/user_block.py, which shares the protocol)."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), PYTHONUNBUFFERED="1")
     env.pop("TRITON_CACHE_DIR", None)
+    if mode == "tier1":
+        env["KERNELPACK_PRECOMPILED"] = "0"
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     cmd = [sys.executable, script, "--child", mode, str(cache_dir), artifact, str(blob), result]
@@ -159,9 +176,11 @@ def main() -> None:
     ap.add_argument("--cold-repeats", type=int, default=None, help="default: --repeats")
     ap.add_argument("--out", default="warm_start.json")
     ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--tiers", action="store_true", help="also (e) tier1 and (f) tier2: activate() (issue 18)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kp-bench-"))
-    samples: dict[str, list[dict]] = {m: [] for m in ("cold", "warm", "mega", "kernelpack")}
+    fresh = ("mega", "kernelpack", *(("tier1", "tier2") if args.tiers else ()))
+    samples: dict[str, list[dict]] = {m: [] for m in ("cold", "warm", *fresh)}
     warm_dir, blob = work / "warm", work / "mega.bin"
     try:
         cold_repeats = args.cold_repeats or args.repeats
@@ -174,7 +193,7 @@ def main() -> None:
                 )
             if i < args.repeats:
                 samples["warm"].append(run_child("warm", warm_dir, args.artifact, blob, args.timeout))
-                for mode in ("mega", "kernelpack"):
+                for mode in fresh:
                     d = work / f"{mode}{i}"
                     samples[mode].append(run_child(mode, d, args.artifact, blob, args.timeout))
                     shutil.rmtree(d, ignore_errors=True)
@@ -221,6 +240,12 @@ def main() -> None:
                 f"{', '.join(f'{x:.2f}' for x in s['totals'])} |"
             )
         print(f"\nkernelpack vs cold: {cold / kp:.1f}x faster; vs native warm: {kp / warm:.2f}x")
+        if args.tiers:
+            t2, t1 = summary["tier2"]["median_total"], summary["tier1"]["median_total"]
+            result.update({"tier2_vs_cold": cold / t2, "tier2_vs_warm": t2 / warm, "tier2_vs_tier1": t2 / t1})
+            Path(args.out).write_text(json.dumps(result, indent=1))
+            print(f"tier2 vs cold: {cold / t2:.1f}x faster; vs native warm: {t2 / warm:.2f}x; vs tier1: {t2 / t1:.2f}x")
+            print("tiers that served:", {m: [s.get("tiers") for s in samples[m]] for m in ("tier1", "tier2")})
         print(
             f"raw cache {raw / 2**20:.1f} MiB, artifact {sizes['artifact_bytes'] / 2**20:.1f} MiB "
             f"({sizes['artifact_bytes'] / raw:.2f}x), mega-cache blob "

@@ -42,11 +42,13 @@ from ._fs import sha256_file
 from ._version import __version__
 from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, KernelpackError
 from .keys import BuildKey, differences
-from .precompiled import DIR as PRECOMPILED_DIR
 from .recipe import Config, check_name
 from .signature import GRAPHS, CallSignature, Graph
 
 FORMAT_VERSION = 1
+# Tier 2's functions (kernelpack.precompiled), in the cache tree beside tier 1's files: packed, hashed and installed
+# with them
+PRECOMPILED_DIR = "kernelpack-precompiled"
 MANIFEST_NAME = "manifest.json"
 TREE_PREFIX = "cache/"
 SUFFIX = ".kpack"

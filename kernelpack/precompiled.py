@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-DIR = "kernelpack-precompiled"  # in the cache dir, beside tier 1's files: packed, hashed and installed with them
+from .artifact import PRECOMPILED_DIR
 
 # torch raises this while unpickling a loaded function's guards outside a trace (2.11, 2.13)
 _NO_TRACING_CONTEXT = "TracingContext.get() must be called within an ongoing trace"
@@ -70,7 +70,7 @@ def dumps(fn: Any) -> bytes:
 
 def file_name(config_id: str, device_index: int, graph: str) -> str:
     """Where the builder writes a graph's function, relative to the cache dir."""
-    return f"{DIR}/{config_id}-{device_index}-{graph.replace('+', '_')}.bin"
+    return f"{PRECOMPILED_DIR}/{config_id}-{device_index}-{graph.replace('+', '_')}.bin"
 
 
 class Loaded:

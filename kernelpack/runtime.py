@@ -274,6 +274,7 @@ class Warmup:
         # why the inductor cache (tier 1) serves it instead
         self.precompiled: dict[CallSignature, precompiled.Loaded] = {}
         self.tier1_why: dict[CallSignature, str] = {}
+        self.mods: list[Any] = []  # every warmed mask_mod and score_mod: the code tier 2 may run (_runs_warmed_code)
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -464,6 +465,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
                     continue
                 _remember(warm.masks, bm.mask_mod, "mask")
                 _remember(warm.score_mods, score_mod, "score")
+                warm.mods += [f for f in (bm.mask_mod, score_mod) if f is not None and f not in warm.mods]
                 for sig in sigs:
                     if not _load_precompiled(state, warm, activation, built, sig, device, bm):
                         _warm_one(state, warm, built, sig, device, bm)
@@ -501,7 +503,7 @@ def _remember(warmed: dict[str, list[Any]], fn: Callable[..., Any] | None, kind:
 
 def _tier2_unavailable() -> str | None:
     """Why no call is served by a precompiled function in this process, or None."""
-    if not settings.precompiled():
+    if not settings.serve_precompiled():
         return "KERNELPACK_PRECOMPILED=0"
     return precompiled.unavailable()
 
@@ -780,7 +782,7 @@ def _serve(
         for candidate in (arguments, *_substitutes(warm, arguments)):
             sig = _signature(mode, dynamic, candidate)
             loaded = warm.precompiled.get(sig)
-            if loaded is not None and loaded.serves(candidate):
+            if loaded is not None and _runs_warmed_code(warm, candidate) and loaded.serves(candidate):
                 _count_served(state, sig, arguments, "precompiled")
                 with evidence.tagged(_SERVED):
                     return loaded(candidate)
@@ -866,6 +868,35 @@ def _with_warmed_mods(
     return None
 
 
+def _runs_warmed_code(warm: Warmup, arguments: Mapping[str, Any]) -> bool:
+    """The call's mask_mod and score_mod run the code of warmed ones: what Dynamo's ID_MATCH guards on code objects
+    checked, which torch drops from a saved function (the signature alone trusts a ``kernelpack_mask`` tag)."""
+    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
+    score_mod = arguments.get("score_mod")
+    return all(fn is None or any(_same_code(fn, w) for w in warm.mods) for fn in (mask_mod, score_mod))
+
+
+def _same_code(fn: Any, warmed: Any, depth: int = 0) -> bool:
+    """``fn`` is ``warmed``, or a function of the same code object whose closure holds functions of the same code
+    (recursively: a mask built by and_masks or padded() of other masks); other closure values are the guards'."""
+    if fn is warmed:
+        return True
+    code = getattr(fn, "__code__", None)
+    if code is None or code is not getattr(warmed, "__code__", None) or depth > 8:
+        return False
+    cells, warmed_cells = fn.__closure__ or (), warmed.__closure__ or ()
+    if len(cells) != len(warmed_cells):
+        return False
+    for a, b in zip(cells, warmed_cells, strict=True):
+        try:
+            x, y = a.cell_contents, b.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if (callable(x) or callable(y)) and not isinstance(x, type) and not _same_code(x, y, depth + 1):
+            return False
+    return True
+
+
 def _substitutes(warm: Warmup, arguments: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """The call with warmed mask_mods and score_mods of the same graphs in place of its own (not the call as it is).
     A precompiled function's guards (closure cells) hold for the warmed functions' layout too."""
@@ -940,8 +971,13 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
     else:
         entry = warm.entries.get(warmed)
         failed = guard_failure(entry, arguments) if entry is not None else ""
-        if warmed in warm.precompiled:  # tier 2 serves this signature: its own guards said no
+        if warmed in warm.precompiled:  # tier 2 serves this signature: its guards, or kernelpack's code check, said no
             failed = warm.precompiled[warmed].guard_failure(arguments)
+            if not _runs_warmed_code(warm, arguments):
+                failed = (
+                    "the mask_mod or score_mod runs other code than the warmed one's (Dynamo's identity guard on "
+                    "the mask_mod's code object, which kernelpack checks for a precompiled function)"
+                ) + (f"; {failed}" if failed else "")
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
             "Dynamo guards on: " + (failed or "(torch does not say which guard)")

@@ -129,7 +129,7 @@ def install_lock() -> bool:
     return _flag("KERNELPACK_INSTALL_LOCK", True)
 
 
-def precompiled() -> bool:
+def serve_precompiled() -> bool:
     """``KERNELPACK_PRECOMPILED=0``: serve every call from the inductor cache (tier 1), loading no precompiled
     function (tier 2); the report says so for each call."""
     return _flag("KERNELPACK_PRECOMPILED", True)

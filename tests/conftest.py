@@ -63,6 +63,8 @@ def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **o
     data = art.unpack(artifact, tree).to_dict()
     files = {rel: p for rel, p in art.scan_tree(tree).items() if not drop(rel)}
     entries = art.hash_files(files)
+    for c in data["configs"]:  # a dropped precompiled function is dropped from its config's list too
+        c["precompiled"] = [p for p in c.get("precompiled", []) if p["path"] in files]
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
     art.pack(out, art.Manifest.from_dict(data, source=str(out)), files)
     return out

@@ -74,6 +74,8 @@ def threads(artifact: str, cache: str, warmup: bool = True) -> dict[str, Any]:
                 "compiled": len(rep.compiled),
                 "fx_hits": hits,
                 "alive": sum(t.is_alive() for t in ts),
+                "tiers": [c.tier for c in rep.first_calls],
+                "served": {t: sum(s[2] for s in rep.served if s[4] == t) for t in {s[4] for s in rep.served}},
             }
         )
     return {"rounds": rounds, "configs": len(cs)}
@@ -136,15 +138,17 @@ def eager(artifact: str, cache: str) -> dict[str, Any]:
 
 
 def recompile_limit(artifact: str, cache: str) -> dict[str, Any]:
-    """A plain torch.compile'd flex past Dynamo's recompile limit falls back to eager: the guard refuses it."""
+    """A plain torch.compile'd flex past Dynamo's recompile limit falls back to eager: the guard refuses it. Its first
+    call is a covered one (strict mode lets it compile); the next length is past the limit of 1."""
     from torch.nn.attention.flex_attention import flex_attention
 
     runtime.activate(artifact, cache_dir=cache)
+    torch._dynamo.reset()  # whichever tier the warm-up used: no Dynamo entry for flex_attention's frame yet
     raw = torch.compile(flex_attention, dynamic=False)
     torch._dynamo.config.recompile_limit = 1
     c = configs(artifact)[0]
     out: dict[str, Any] = {"error": None}
-    for length in (64, 128):
+    for length in (c.q_len, 64):
         cc = Config.from_dict({**c.to_dict(), "q_len": length, "kv_len": length})
         q, k, v = make_inputs(cc, "cpu")
         try:
@@ -152,6 +156,7 @@ def recompile_limit(artifact: str, cache: str) -> dict[str, Any]:
         except DenseFallbackError as e:
             out["error"] = str(e)
             out["at_length"] = length
+            break
     return out
 
 
@@ -486,6 +491,12 @@ def code_paths(artifact: str, cache: str) -> dict[str, Any]:
     out["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("kernelpack:")]
     rep = runtime.report().to_dict()
     out["non_strict"] = {"summary": rep["summary"], "compiles": rep["compiles"]}
+    os.environ["KERNELPACK_PRECOMPILED"] = "0"  # tier 1 serves every warmed signature, each listed with why
+    try:
+        runtime.activate(artifact, cache_dir=cache)
+        out["keys"]["inductor_cache_tier"] = sorted(runtime.report().to_dict()["inductor_cache_tier"][0])
+    finally:
+        del os.environ["KERNELPACK_PRECOMPILED"]
     return out
 
 

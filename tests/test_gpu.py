@@ -253,3 +253,57 @@ def test_a_drafters_anchor_mask_is_served_by_one_dynamic_graph_at_every_length(
     assert out["max_error"] < 1e-2, out  # float32 inputs, TF32 matmuls
     (served,) = out["served"]
     assert served["dynamic"] and served["calls"] == 10, out
+
+
+TIER_JOB = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+import kernelpack
+from kernelpack import runtime
+from kernelpack.artifact import read_manifest
+from kernelpack.canonical import call, grad_output, make_inputs
+from kernelpack.masks import block_mask_for
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+frames = counters["frames"]["ok"]
+outs = {}
+for built in read_manifest(sys.argv[1]).configs:
+    c = built.config
+    for graph in c.graphs:
+        inputs = make_inputs(c, "cuda:0", graph)
+        dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None
+        out, grads, _ = call(kernelpack.flex_attention, c, graph, inputs, block_mask_for(c, "cuda:0"), dout)
+        outs[f"{c.id}-{graph}"] = [out, *grads]
+torch.cuda.synchronize()
+torch.save(outs, sys.argv[3])
+rep = runtime.report().to_dict()
+print(json.dumps({"frames": counters["frames"]["ok"] - frames, "tiers": sorted({s["tier"] for s in rep["served"]}),
+                  "precompiled": rep["precompiled"], "tier1": rep["inductor_cache_tier"]}))
+"""
+
+
+def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_artifact: Path, tmp_path: Path) -> None:
+    """Issue 18 on CUDA: verify proves every graph is served by its precompiled function with tier 1's outputs; a
+    fresh process after activate() makes every config's forward and backward through kernelpack.flex_attention with
+    no Dynamo frame, served by tier 2, its outputs and gradients bitwise equal to tier 1's
+    (KERNELPACK_PRECOMPILED=0)."""
+    import torch
+
+    from kernelpack import precompiled
+
+    if precompiled.unavailable():
+        pytest.skip(precompiled.unavailable())
+    graphs = sum(len(c.config.graphs) for c in art.read_manifest(gpu_artifact).configs)
+    report = verify(gpu_artifact).data
+    assert report["precompiled"] == graphs, report["configs"]
+    assert all(t["equal"] for c in report["configs"] for t in c["tiers"].values()), report["configs"]
+    runs = {}
+    for tier, env in (("2", {}), ("1", {"KERNELPACK_PRECOMPILED": "0"})):
+        cmd = [sys.executable, "-c", TIER_JOB, str(gpu_artifact), str(tmp_path / f"c{tier}"), str(tmp_path / tier)]
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600, check=True)
+        runs[tier] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert runs["2"]["frames"] == 0 and runs["2"]["tiers"] == ["precompiled"], runs
+    assert runs["2"]["precompiled"] == graphs and runs["2"]["tier1"] == [], runs
+    assert runs["1"]["tiers"] == ["inductor-cache"] and runs["1"]["precompiled"] == 0, runs
+    ours, theirs = torch.load(tmp_path / "2"), torch.load(tmp_path / "1")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(a, b) for k in ours for a, b in zip(ours[k], theirs[k], strict=True))

@@ -149,7 +149,8 @@ def test_triton_files_follow_triton_cache_dir(
     files = art.scan_tree(src)
     entries = art.hash_files(files)
     m = art.read_manifest(smoke_artifact).to_dict()
-    data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    configs = [{k: v for k, v in c.items() if k != "precompiled"} for c in m["configs"]]  # not among these files
+    data = {**m, "configs": configs, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
     art.pack(tmp_path / "t.kpack", art.Manifest.from_dict(data, source="t.kpack"), files)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-elsewhere"))
     install(tmp_path / "t.kpack", tmp_path / "cache")

@@ -29,6 +29,7 @@ LAYERS = {
     "evidence": 1,
     # mechanisms: each does one thing to files, torch or a registry; none starts a job
     "compiled": 2,
+    "precompiled": 2,
     "masks": 2,
     "canonical": 2,
     "installer": 2,

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 
 from kernelpack import precompiled
+from kernelpack.artifact import PRECOMPILED_DIR
 
 SCRIPT = """
 import json, sys, time, torch
 from torch._dynamo.utils import counters
 from kernelpack import precompiled
+from kernelpack.artifact import PRECOMPILED_DIR
 from kernelpack.canonical import arguments, make_inputs
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import load_recipe
@@ -170,7 +172,7 @@ def test_a_precompiled_function_that_fails_to_load_falls_back_to_the_inductor_ca
 
     cache = tmp_path / "cache"
     first = _job(smoke_artifact, cache, tmp_path / "o1.pt")
-    (damaged, *_) = sorted((cache / precompiled.DIR).glob("*.bin"))
+    (damaged, *_) = sorted((cache / PRECOMPILED_DIR).glob("*.bin"))
     damaged.write_bytes(damaged.read_bytes()[:100])
     second = _job(smoke_artifact, cache, tmp_path / "o2.pt")
     (why,) = second["inductor_cache_tier"]

@@ -22,13 +22,14 @@ SCENARIOS = Path(__file__).with_name("runtime_scenarios.py")
 REPO = Path(__file__).parent.parent
 
 
-def scenario(name: str, artifact: Path, tmp_path: Path) -> dict:
+def scenario(name: str, artifact: Path, tmp_path: Path, **env: str) -> dict:
     proc = subprocess.run(
         [sys.executable, str(SCENARIOS), name, str(artifact), str(tmp_path / "cache")],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
+        env={**os.environ, **env},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -36,15 +37,22 @@ def scenario(name: str, artifact: Path, tmp_path: Path) -> dict:
     return out
 
 
-def test_four_threads_after_the_warm_up_compile_nothing_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
-    out = scenario("threads", smoke_artifact, tmp_path)
+@pytest.mark.parametrize("tier", ["precompiled", "inductor-cache"])
+def test_four_threads_after_the_warm_up_compile_nothing_20_times(
+    smoke_artifact: Path, tmp_path: Path, tier: str
+) -> None:
+    """Both tiers: the precompiled functions (one loaded function called by 4 threads at once), and the inductor
+    cache (KERNELPACK_PRECOMPILED=0)."""
+    out = scenario("threads", smoke_artifact, tmp_path, KERNELPACK_PRECOMPILED="1" if tier == "precompiled" else "0")
     assert len(out["rounds"]) == 20
     for r in out["rounds"]:
         assert r["errors"] == [] and r["alive"] == 0
-        # activate() made every first call, served from the cache; the threads' calls (grad mode on, inputs that
-        # need no grad) are made under no_grad like the warm-up's, so they hit its Dynamo entries
+        # activate() made every first call, by loading the precompiled functions or served from the cache; the
+        # threads' calls (grad mode on, inputs that need no grad) are made under no_grad like the warm-up's, so they
+        # are served by what it warmed
         assert r["first_calls"] == r["warmup_calls"] == out["configs"] and r["compiled"] == 0
-        assert r["fx_hits"] == out["configs"]
+        assert r["tiers"] == [tier] * out["configs"] and r["served"] == {tier: 4 * out["configs"]}, r
+        assert r["fx_hits"] == (out["configs"] if tier == "inductor-cache" else 0)
 
 
 def test_four_threads_first_calls_at_once_without_warm_up_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -84,7 +92,7 @@ def test_eager_flex_is_refused_as_dense(smoke_artifact: Path, tmp_path: Path) ->
 
 def test_recompile_limit_fallback_is_refused_as_dense(smoke_artifact: Path, tmp_path: Path) -> None:
     out = scenario("recompile_limit", smoke_artifact, tmp_path)
-    assert out["at_length"] == 128 and "dense math path" in out["error"]
+    assert out["at_length"] == 64 and "dense math path" in out["error"]
 
 
 def test_foreign_fx_trace_dense_fallback_is_refused_and_kernelpack_waits(smoke_artifact: Path, tmp_path: Path) -> None:
