@@ -104,6 +104,13 @@ class Loaded:
     def __call__(self, arguments: Mapping[str, Any]) -> Any:
         return self._fn(**arguments)
 
+    def checked(self, **arguments: Any) -> Any:
+        """A call that must pass torch's guards (the warm-up's and verify's canonical calls): raises naming the guard
+        that failed instead."""
+        if not self.serves(arguments):
+            raise RuntimeError(f"the canonical call fails its guards: {self.guard_failure(arguments)}")
+        return self(arguments)
+
 
 def load(path: str | os.PathLike[str]) -> Loaded:
     """The function the builder saved at ``path``; raises when torch cannot load it or it is unsafe to share."""

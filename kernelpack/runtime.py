@@ -529,15 +529,9 @@ def _load_precompiled(
     try:
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
             loaded = precompiled.load(Path(activation.install.cache_dir, entry.path))
-
-            def call(**arguments: Any) -> Any:
-                if not loaded.serves(arguments):
-                    raise RuntimeError(f"the canonical call fails its guards: {loaded.guard_failure(arguments)}")
-                return loaded(arguments)
-
             inputs = make_inputs(config, device, sig.graph, random=False)
             dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
-            canonical_call(call, config, sig.graph, inputs, bm, dout)
+            canonical_call(loaded.checked, config, sig.graph, inputs, bm, dout)
             if config.device == "cuda":
                 torch.cuda.synchronize(device)
     except Exception as e:  # tier 1 serves it, and the report says why

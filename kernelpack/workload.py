@@ -137,14 +137,7 @@ def run_precompiled(config: Config, device: Any, path: str, graph: Graph) -> tup
     _sync(device)
     start = time.perf_counter()
     try:
-        loaded = precompiled.load(path)
-
-        def call(**arguments: Any) -> Any:
-            if not loaded.serves(arguments):
-                raise RuntimeError(f"the canonical call fails its guards: {loaded.guard_failure(arguments)}")
-            return loaded(arguments)
-
-        out, grads, _ = canonical_call(call, config, graph, inputs, bm, dout)
+        out, grads, _ = canonical_call(precompiled.load(path).checked, config, graph, inputs, bm, dout)
         _sync(device)
     except Exception as e:
         return PrecompiledResult(graph, error=f"{type(e).__name__}: {e}"[:1000]), None
