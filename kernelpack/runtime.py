@@ -678,10 +678,9 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
 
     apply_thread_config()
     evidence.ensure_watching()
-    fn = compiled_flex_attention(mode, dynamic)
     query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
-        return fn(**arguments)
+        return compiled_flex_attention(mode, dynamic)(**arguments)
     if _observers:  # the call as the user made it (before the forward-only detach below)
         stand_in = _notify("kernelpack.flex_attention", arguments, mode, dynamic)
         if stand_in is not None:
@@ -704,8 +703,9 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     state = _state
     active = state.active
     if active is not None and active.warmup is not None:
-        return _serve(state, active, active.warmup, fn, mode, dynamic, arguments)
-    return _first_call_at_the_gate(state, active, fn, mode, dynamic, arguments)
+        # the compiled callable only where tier 1 serves: creating the first one imports inductor (70 ms on CPU)
+        return _serve(state, active, active.warmup, mode, dynamic, arguments)
+    return _first_call_at_the_gate(state, active, compiled_flex_attention(mode, dynamic), mode, dynamic, arguments)
 
 
 # ------------------------------------------------------------------------------------------------ observers
@@ -757,7 +757,6 @@ def _serve(
     state: _State,
     active: Activation,
     warm: Warmup,
-    fn: Callable[..., Any],
     mode: str,
     dynamic: bool,
     arguments: dict[str, Any],
