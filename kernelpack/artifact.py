@@ -459,15 +459,21 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     not_precompiled = entry.get("not_precompiled", "")
     if not isinstance(not_precompiled, str):
         raise TypeError("not_precompiled must be a string")
+    devices = _devices(entry.get("devices", legacy_devices))
+    functions = tuple(_precompiled(p) for p in _list(entry.get("precompiled", [])))
+    pairs = [(p.device, p.graph) for p in functions]
+    for device, graph in pairs:
+        if pairs.count((device, graph)) > 1 or device not in devices or graph not in config.graphs:
+            raise ValueError(f"precompiled ({device}, {graph!r}) is listed twice, or not a built device and graph")
     return BuiltConfig(
         config=config,
-        devices=_devices(entry.get("devices", legacy_devices)),
+        devices=devices,
         mask_key=mask_key,
         score_key=score_key,
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
         compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),
         max_rel_error=_number(entry.get("max_rel_error", 0.0)),
-        precompiled=tuple(_precompiled(p) for p in _list(entry.get("precompiled", []))),
+        precompiled=functions,
         not_precompiled=not_precompiled,
     )
 
@@ -633,8 +639,14 @@ def merge_manifests(manifests: Sequence[Manifest], names: Sequence[str]) -> Mani
                         sorted(dict(c.compile_seconds_by_device + seen.compile_seconds_by_device).items())
                     ),
                     max_rel_error=max(seen.max_rel_error, c.max_rel_error),
-                    precompiled=tuple(sorted({*seen.precompiled, *c.precompiled}, key=lambda p: (p.device, p.graph))),
-                    not_precompiled=seen.not_precompiled or c.not_precompiled,
+                    # one function per (device, graph): the first shard's, as for files
+                    precompiled=tuple(
+                        sorted(
+                            {(p.device, p.graph): p for p in (*c.precompiled, *seen.precompiled)}.values(),
+                            key=lambda p: (p.device, p.graph),
+                        )
+                    ),
+                    not_precompiled="; ".join(dict.fromkeys(r for r in (seen.not_precompiled, c.not_precompiled) if r)),
                 )
             configs[c.id] = c
     if not configs:

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import _fs, _worker, evidence
 from . import artifact as art
-from .compiled import key_settings
+from .compiled import key_settings, trace_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
 from .recipe import Config, Recipe, load_recipe
@@ -311,9 +311,12 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
         start = time.perf_counter()
         try:
             args = arguments(config, make_inputs(config, device, graph, random=False), bm)
-            blob = precompiled.dumps(precompiled.compile_call(args, grad=graph == "fwd+bwd", mode=config.mode))
+            # traced as tier 1 was (dynamic=True of a fixed length too), so that it reuses tier 1's cache entries
+            with trace_settings(config.dynamic):
+                fn = precompiled.compile_call(args, grad=graph == "fwd+bwd", mode=config.mode, dynamic=config.dynamic)
+            blob = precompiled.dumps(fn)
         except Exception as e:  # tier 1 serves the graph; the manifest says why tier 2 does not
-            missing.append(f"{graph}: aot_compile failed: {type(e).__name__}: {e}"[:500])
+            missing.append(f"{graph} on device {index}: aot_compile failed: {type(e).__name__}: {e}"[:500])
             continue
         rel = precompiled.file_name(config.id, index, graph)
         (Path(cache) / rel).parent.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dis
+import inspect
 import io
 import os
 import tempfile
+import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -118,16 +120,53 @@ def load(path: str | os.PathLike[str]) -> Loaded:
         return Loaded(loads(f.read()))
 
 
+def reads_globals(fn: Any, depth: int = 0) -> str | None:
+    """The first global value (not a module, function, class or builtin) that ``fn`` or a function in its closure reads,
+    as "name=value", or None. torch drops every guard on a global from a saved function (aot_compile's guard filter:
+    ``is_global``), so a mask that reads ``WINDOW`` would run with the builder's value after the job changed it; tier 1
+    keeps Dynamo's guard on it. Such a function is left to tier 1."""
+    code = getattr(fn, "__code__", None)
+    if code is None or depth > 8:
+        return None
+    scope = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in scope:
+            value = scope[name]
+            if not isinstance(value, (types.ModuleType, type)) and not inspect.isroutine(value):
+                return f"{name}={value!r}"[:200]
+    for inner in (c for c in code.co_consts if isinstance(c, types.CodeType)):  # nested functions, lambdas
+        found = reads_globals(types.FunctionType(inner, scope), depth + 1)
+        if found:
+            return found
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for value in values if isinstance(values, (tuple, list)) else (values,):
+            if inspect.isfunction(value) and (found := reads_globals(value, depth + 1)):
+                return found
+    return None
+
+
+# torch 2.11 and 2.13 need the tracing-context workaround for every load; found once, then used directly, so that a
+# load does not deserialize twice
+_needs_tracing_context = False
+
+
 def loads(blob: bytes) -> Callable[..., Any]:
     """The function :func:`dumps` saved, loaded in this process. The inductor artifacts it refers to must be in the
     process's cache dir (tier 1's files): without them torch compiles its kernels again."""
     import torch
 
-    try:
-        return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
-    except RuntimeError as e:
-        if _NO_TRACING_CONTEXT not in str(e):
-            raise
+    global _needs_tracing_context
+    if not _needs_tracing_context:
+        try:
+            return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
+        except RuntimeError as e:
+            if _NO_TRACING_CONTEXT not in str(e):
+                raise
+            _needs_tracing_context = True
     with _tracing_context():
         return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
 

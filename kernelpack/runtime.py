@@ -467,7 +467,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
                 _remember(warm.score_mods, score_mod, "score")
                 warm.mods += [f for f in (bm.mask_mod, score_mod) if f is not None and f not in warm.mods]
                 for sig in sigs:
-                    if not _load_precompiled(state, warm, activation, built, sig, device, bm):
+                    if not _load_precompiled(state, warm, activation, built, sig, device, bm, score_mod):
                         _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
         warm.by_entry = {e: sig for sig, e in warm.entries.items() if e is not None}
@@ -509,7 +509,14 @@ def _tier2_unavailable() -> str | None:
 
 
 def _load_precompiled(
-    state: _State, warm: Warmup, activation: Activation, built: BuiltConfig, sig: CallSignature, device: str, bm: Any
+    state: _State,
+    warm: Warmup,
+    activation: Activation,
+    built: BuiltConfig,
+    sig: CallSignature,
+    device: str,
+    bm: Any,
+    score_mod: Any,
 ) -> bool:
     """Tier 2 for one warmed signature: load its precompiled function from the installed cache and make the canonical
     call through it (kernel loading happens here, not in the job's first step). On any failure the inductor cache
@@ -523,6 +530,10 @@ def _load_precompiled(
     why = _tier2_unavailable()
     if why is None and entry is None:
         why = built.not_precompiled or "the artifact has no precompiled function for it"
+    for kind, fn in (("mask_mod", bm.mask_mod), ("score_mod", score_mod)):
+        read = precompiled.reads_globals(fn) if why is None else None
+        if read:  # torch drops guards on globals from a saved function: the job could change the value unseen
+            why = f"its {kind} reads the global {read}, whose guards torch drops from a precompiled function"
     if why is not None or entry is None:
         warm.tier1_why[sig] = why or ""
         return False
@@ -823,7 +834,8 @@ def _warmed_signature(active: Activation, warm: Warmup, sig: CallSignature) -> C
     """Where torch cannot run Dynamo's guards: the warmed signature that serves ``sig`` (itself, or the traced call of
     the dynamic range config that covers it), or None."""
     if sig in warm.signatures:
-        return sig
+        # a signature tier 2 serves has no Dynamo entry: a call its function did not serve would trace here
+        return None if sig in warm.precompiled else sig
     coverage = active.covers(sig)
     if coverage.entry is not None and coverage.entry.config.q_range is not None:
         traced = Manifest.traced(sig, coverage.entry)
@@ -885,7 +897,11 @@ def _same_code(fn: Any, warmed: Any, depth: int = 0) -> bool:
             x, y = a.cell_contents, b.cell_contents
         except ValueError:  # an empty cell
             continue
-        if (callable(x) or callable(y)) and not isinstance(x, type) and not _same_code(x, y, depth + 1):
+        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):  # and_masks(*masks) keeps them in a tuple
+            pairs = list(zip(x, y, strict=False))
+            if len(x) != len(y) or not all(_same_code(a, b, depth + 1) for a, b in pairs if callable(a) or callable(b)):
+                return False
+        elif (callable(x) or callable(y)) and not isinstance(x, type) and not _same_code(x, y, depth + 1):
             return False
     return True
 
@@ -1407,6 +1423,9 @@ def report() -> RuntimeReport:
             for (sig, tier), seen in state.served.items()
         ]
         done = warm is not None and warm.done.is_set()
+        tier1 = sorted(warm.tier1_why.items(), key=lambda x: x[0].describe()) if done and warm is not None else []
+        if active is not None and active.install is not None and warm is None:
+            tier1 = [(sig, "activate(warmup=False) loads no precompiled function") for sig in active.covered]
         return RuntimeReport(
             list(state.first_calls),
             list(state.refused),
@@ -1415,7 +1434,7 @@ def report() -> RuntimeReport:
             evidence.dense_records(since),
             evidence.compile_detection,
             served,
-            sorted(warm.tier1_why.items(), key=lambda x: x[0].describe()) if done and warm is not None else [],
+            tier1,
             len(warm.precompiled) if done and warm is not None else 0,
         )
 

@@ -75,6 +75,7 @@ def threads(artifact: str, cache: str, warmup: bool = True) -> dict[str, Any]:
                 "fx_hits": hits,
                 "alive": sum(t.is_alive() for t in ts),
                 "tiers": [c.tier for c in rep.first_calls],
+                "tier1_why": sorted({why for _, why in rep.tier1}),
                 "served": {t: sum(s[2] for s in rep.served if s[4] == t) for t in {s[4] for s in rep.served}},
             }
         )

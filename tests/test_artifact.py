@@ -339,10 +339,13 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
         ({**entry, "path": "kernelpack-precompiled/../fxgraph/x"}, [blob], "under kernelpack-precompiled/"),
         (entry, [], "not among the files"),
         ({**entry, "graph": "bwd"}, [blob], "graph must be one of"),
+        ({**entry, "device": 1}, [blob], "not a built device and graph"),
     ]
     for wrong, files, fragment in bad:
         with pytest.raises(ArtifactError, match=fragment):
             art.Manifest.from_dict({**with_configs({**config, "precompiled": [wrong]}), "files": files}, source="m")
+    with pytest.raises(ArtifactError, match="listed twice"):
+        art.Manifest.from_dict({**with_configs({**config, "precompiled": [entry, entry]}), "files": [blob]}, source="m")
 
 
 def test_manifest_of_an_older_kernelpack_reads_with_its_fallbacks() -> None:

@@ -101,6 +101,13 @@ try:
     other = "served"
 except KernelpackError as e:
     other = type(e).__name__
+impostor = other_code(64)  # tagged as the built-in: the signature trusts the tag, kernelpack's code check does not
+impostor.kernelpack_mask = "sliding_window(64)"
+try:
+    call(impostor, inputs)
+    tagged = "served"
+except KernelpackError as e:
+    tagged = f"{type(e).__name__}: {e}"
 batches = [qkv() for _ in range(8)]
 serial = [call(masks.sliding_window(64), b) for b in batches]
 threaded = [None] * len(batches)
@@ -115,6 +122,7 @@ report = runtime.report().to_dict()
 print(json.dumps({
     "frames": counters["frames"]["ok"] - frames,
     "other_code": other,
+    "tagged_other_code": tagged,
     "threads_equal": all(torch.equal(a, b) for a, b in zip(serial, threaded)),
     "served": [(s["graph"], s["tier"], s["calls"]) for s in report["served"]],
     "inductor_cache_tier": report["inductor_cache_tier"],
@@ -147,15 +155,19 @@ def test_covered_calls_are_served_by_precompiled_functions_without_dynamo(smoke_
     """A fresh process: activate() loads every graph's precompiled function; kernelpack.flex_attention serves both
     configs, the user's own mask of the same graph and 8 threads at once through them with no Dynamo frame, with
     tier 1's outputs bit for bit (KERNELPACK_PRECOMPILED=0); a mask with the same closure layout but other code,
-    which torch's own guards would let through, is refused by kernelpack's signature check."""
+    which torch's own guards would let through, is refused: untagged by its signature, tagged as the built-in by
+    kernelpack's code check."""
     import torch
 
     tier2 = _job(smoke_artifact, tmp_path / "c2", tmp_path / "o2.pt")
     tier1 = _job(smoke_artifact, tmp_path / "c1", tmp_path / "o1.pt", KERNELPACK_PRECOMPILED="0")
+    # 2 configs, the user's own mask, then 8 threads x 5 calls on top of 8 serial ones
+    assert sum(calls for _, _, calls in tier2["served"]) == 2 + 1 + 8 + 40, tier2
     assert set(_tiers(tier2).values()) == {"precompiled"} and len(tier2["served"]) == 2, tier2
     assert [t for _, t, _ in tier2["first_calls"]] == ["precompiled", "precompiled"], tier2
     assert tier2["frames"] == 0 and tier2["inductor_cache_tier"] == [] and tier2["threads_equal"], tier2
     assert tier2["other_code"] == "NotPrecompiledError", tier2
+    assert tier2["tagged_other_code"].startswith("NotWarmedError") and "runs other code" in tier2["tagged_other_code"]
     assert set(_tiers(tier1).values()) == {"inductor-cache"}, tier1
     assert {x["why"] for x in tier1["inductor_cache_tier"]} == {"KERNELPACK_PRECOMPILED=0"}, tier1
     ours, theirs = torch.load(tmp_path / "o2.pt"), torch.load(tmp_path / "o1.pt")
@@ -183,3 +195,27 @@ def test_a_precompiled_function_that_fails_to_load_falls_back_to_the_inductor_ca
     assert second["frames"] == 0 and second["other_code"] == "NotPrecompiledError", second
     ours, theirs = torch.load(tmp_path / "o2.pt"), torch.load(tmp_path / "o1.pt")
     assert all(torch.equal(ours[k], theirs[k]) for k in ours) and first["threads_equal"] and second["threads_equal"]
+
+
+WINDOW = 64
+
+
+def test_a_function_that_reads_a_global_value_is_left_to_tier_1() -> None:
+    """torch drops guards on globals from a saved function: a mask reading WINDOW would keep the builder's value.
+    Modules, functions and builtins are not values; closures are followed, and_masks' tuple too."""
+    import torch
+    from torch.nn.attention.flex_attention import and_masks
+
+    from kernelpack import masks
+
+    def reads_window(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return q_idx - kv_idx < WINDOW
+
+    def uses_torch(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return torch.where(q_idx >= kv_idx, True, False)
+
+    assert precompiled.reads_globals(reads_window) == "WINDOW=64"
+    assert precompiled.reads_globals(and_masks(uses_torch, reads_window)) == "WINDOW=64"
+    assert precompiled.reads_globals(masks.padded(and_masks(uses_torch, reads_window), 3)) == "WINDOW=64"
+    assert precompiled.reads_globals(uses_torch) is None
+    assert precompiled.reads_globals(masks.padded(masks.sliding_window(64), 10)) is None

@@ -62,6 +62,7 @@ def test_four_threads_first_calls_at_once_without_warm_up_20_times(smoke_artifac
         assert r["errors"] == [] and r["alive"] == 0 and r["warmup_calls"] == 0
         # each (config, device) had exactly one first call, served from the cache, whichever thread made it
         assert r["first_calls"] == out["configs"] and r["compiled"] == 0 and r["fx_hits"] == out["configs"]
+        assert r["tier1_why"] == ["activate(warmup=False) loads no precompiled function"], r
 
 
 def test_strict_mode_refuses_an_uncovered_call_naming_it_and_the_nearest(smoke_artifact: Path, tmp_path: Path) -> None:
