@@ -219,3 +219,28 @@ def test_a_function_that_reads_a_global_value_is_left_to_tier_1() -> None:
     assert precompiled.reads_globals(masks.padded(and_masks(uses_torch, reads_window), 3)) == "WINDOW=64"
     assert precompiled.reads_globals(uses_torch) is None
     assert precompiled.reads_globals(masks.padded(masks.sliding_window(64), 10)) is None
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_verify_proves_which_tier_serves_each_graph(smoke_artifact: Path, tmp_path: Path) -> None:
+    """verify loads and calls every precompiled function first in its fresh process: both smoke configs are served
+    by tier 2 with tier 1's outputs bit for bit; an artifact whose function is damaged (hashed as damaged, so it
+    installs) fails verify, naming the config's failed load."""
+    from kernelpack import artifact as art
+    from kernelpack.errors import VerifyError
+    from kernelpack.verify import verify_artifact
+
+    data = verify_artifact(smoke_artifact).data
+    assert data["precompiled"] == 2, data["configs"]
+    assert all(t["tier"] == "precompiled" and t["equal"] for c in data["configs"] for t in c["tiers"].values())
+    tree = tmp_path / "tree"
+    manifest = art.unpack(smoke_artifact, tree).to_dict()
+    (victim, *_) = sorted((tree / PRECOMPILED_DIR).glob("*.bin"))
+    victim.write_bytes(victim.read_bytes()[:100])
+    files = art.scan_tree(tree)
+    manifest["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in art.hash_files(files)]
+    damaged = tmp_path / "damaged.kpack"
+    art.pack(damaged, art.Manifest.from_dict(manifest, source=str(damaged)), files)
+    with pytest.raises(VerifyError, match="1 of 2 config") as e:
+        verify_artifact(damaged)
+    assert e.value.failed == [victim.name.split("-")[0]] and "precompiled fwd: failed: " in str(e.value), e.value
