@@ -1,8 +1,9 @@
 """Tier 2, precompiled functions (issue 18): torch's ``aot_compile`` of a config's canonical call, saved by the builder
 beside the inductor cache (tier 1), loaded by the runtime and called without Dynamo.
 
-A mechanism, like :mod:`kernelpack.compiled`: it knows calls and bytes, not artifacts or activation. Every workaround
-for a torch version's bug on this path is in this module, and each is skipped where torch does not need it.
+A mechanism, like :mod:`kernelpack.compiled`: it knows calls, bytes and where the format puts them, not activation or
+dispatch. Every workaround for a torch version's bug on this path is in this module, and each is skipped where torch
+does not need it.
 
 What torch 2.13.0+cpu does (bench/precompile_probe.py): ``torch.compiler.save_compiled_function`` does not exist
 (the compiled function's own ``save_compiled_function`` does); ``torch.compiler.load_compiled_function`` raises
@@ -77,9 +78,9 @@ def file_name(config_id: str, device_index: int, graph: str) -> str:
 
 class Loaded:
     """A loaded function, called by flex_attention's parameter names. torch's own guard check (what remains of
-    Dynamo's guards once identity guards are dropped: shapes, strides, dtypes, grad mode, constants) runs through
-    :meth:`serves`; the caller has already checked the call signature, which stands in for the dropped guards (the
-    mask_mod's and score_mod's code, by what they compute)."""
+    Dynamo's guards once identity guards and guards on globals are dropped: shapes, strides, dtypes, grad mode,
+    closure constants) runs through :meth:`serves`; the caller stands in for the dropped ones (the call signature,
+    the code of the mask_mod and score_mod, :func:`reads_globals`)."""
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
