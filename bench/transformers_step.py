@@ -4,7 +4,9 @@ side by side in one run, each sample a fresh subprocess (bench/warm_start.py's p
   (a) cold       attn_implementation="flex_attention" (transformers' own torch.compile), empty cache dir
   (b) warm       the same, with the cache dir (a) filled: torch's native warm start
   (c) mega       the same, after torch.compiler.load_cache_artifacts() of the blob (a) saved, into an empty dir
-  (d) kernelpack runtime.activate(artifact) (install + warm-up included), attn_implementation="kernelpack"
+  (d) kernelpack runtime.activate(artifact) (install + warm-up included), attn_implementation="kernelpack"; the
+                precompiled tier serves the calls it covers (issue 18)
+  (e) tier1     the same with KERNELPACK_PRECOMPILED=0: the inductor cache serves every call
 
 A step is forward + backward of the model on one batch of each length, in order. first_step = preparation + every
 length's step, synchronized; the model is built (on the GPU) before the clock starts, for all four alike. Compiles
@@ -71,8 +73,9 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
     evidence.install_hooks()
     evidence.watch_compiles()
     cfg = config(tiny)
-    cfg._attn_implementation = "kernelpack" if mode == "kernelpack" else "flex_attention"
-    if mode == "kernelpack":  # the name must be known when the model is built; activate() below does it too
+    ours = mode in ("kernelpack", "tier1")  # tier1: activate() with KERNELPACK_PRECOMPILED=0 (warm_start.run_child)
+    cfg._attn_implementation = "kernelpack" if ours else "flex_attention"
+    if ours:  # the name must be known when the model is built; activate() below does it too
         from kernelpack.integrations import transformers as hf
 
         hf.register()
@@ -84,7 +87,7 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
     batches = [torch.randint(0, cfg.vocab_size, (1, n), device=device) for n in lengths]
     mark = evidence.next_seq()
     t0 = time.perf_counter()
-    if mode == "kernelpack":
+    if ours:
         runtime.activate(artifact, cache_dir=cache_dir)  # transformers is imported: registers "kernelpack"
     elif mode == "mega":
         torch.compiler.load_cache_artifacts(Path(blob).read_bytes())
@@ -124,8 +127,9 @@ def child(mode: str, cache_dir: str, artifact: str, blob: str, result: str) -> N
         "torch": torch.__version__,
         "git": torch.version.git_version,
     }
-    if mode == "kernelpack":
+    if ours:
         out["report"] = runtime.report().summary()
+        out["tiers"] = sorted({s["tier"] for s in runtime.report().to_dict()["served"]})
     if mode == "cold":
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
@@ -141,7 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU dry runs; forward only on CPU)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--modes", default="cold,warm,mega,kernelpack")
+    ap.add_argument("--modes", default="cold,warm,mega,kernelpack,tier1")
     ap.add_argument("--out", default="transformers_step.json")
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()

@@ -114,7 +114,7 @@ def side_by_side(
     an empty dir (the first fills the dir warm reuses and saves the blob mega loads), mega and kernelpack into an
     empty dir each. Used by bench/user_block.py and bench/transformers_step.py. Each sample is printed as it ends
     and every sample so far is kept in ``out + ".partial"``: a run cut short by a time limit keeps what it measured."""
-    order = ["cold", "warm", "mega", "kernelpack"]
+    order = ["cold", "warm", "mega", "kernelpack", "tier1"]  # tier1: kernelpack with KERNELPACK_PRECOMPILED=0
     if not set(modes) <= set(order) or ({"warm", "mega"} & set(modes) and "cold" not in modes):
         sys.exit(f"modes {modes}: any of {order}; warm and mega need cold (it fills their cache and blob)")
     modes = sorted(modes, key=order.index)  # cold first in every repeat: warm and mega reuse what it wrote
@@ -134,7 +134,7 @@ def side_by_side(
                 r = samples[mode][-1]
                 print(f"repeat {i + 1} {mode}: first step {r['first_step']:.2f} s, {r['compiles_in_steps']} compiles")
                 Path(out + ".partial").write_text(json.dumps({"samples": samples}))
-                if mode in ("mega", "kernelpack"):
+                if mode in ("mega", "kernelpack", "tier1"):
                     shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
