@@ -25,6 +25,7 @@ from .compiled import key_settings, trace_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
 from .recipe import Config, Recipe, load_recipe
+from .signature import Graph
 from .workload import check_errors, range_lengths, run_config
 
 
@@ -298,8 +299,6 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
     reason = precompiled.unavailable()
     if reason is None and not settings.precompile_at_build():
         reason = "built with KERNELPACK_PRECOMPILE=0"
-    if reason is None and config.q_range is not None:
-        reason = "a dynamic range config: its graph is served by the inductor cache (tier 1)"
     if reason is not None:
         return {"graphs": {}, "missing": reason}
     cache = settings.inductor_cache_dir()
@@ -318,11 +317,34 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
         except Exception as e:  # tier 1 serves the graph; the manifest says why tier 2 does not
             missing.append(f"{graph} on device {index}: aot_compile failed: {type(e).__name__}: {e}"[:500])
             continue
+        outside = _outside_guards(fn, config, device, graph)
+        if outside is not None:  # a range its guards do not hold over: tier 1's dynamic graph serves it
+            missing.append(f"{graph} on device {index}: its guards do not hold at q_len, kv_len {outside}")
+            continue
         rel = precompiled.file_name(config.id, index, graph)
         (Path(cache) / rel).parent.mkdir(parents=True, exist_ok=True)
         _fs.write_bytes(Path(cache) / rel, blob)
         graphs[graph] = {"path": rel, "seconds": round(time.perf_counter() - start, 3)}
     return {"graphs": graphs, "missing": "; ".join(missing)}
+
+
+def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple[int, int] | None:
+    """For a dynamic range config: the first of the lengths the builder checks tier 1 at (both ends, 2 random ones)
+    where the aot-compiled function's guards fail, or None (a fixed-length config: None)."""
+    import dataclasses
+
+    import torch
+
+    from .canonical import arguments, make_inputs
+    from .masks import block_mask_for
+
+    for q, kv in range_lengths(config, 2, seed=int(config.id, 16)):
+        at = dataclasses.replace(config, q_len=q, kv_len=kv)
+        with torch.set_grad_enabled(graph == "fwd+bwd"):
+            args = arguments(at, make_inputs(at, device, graph, random=False), block_mask_for(at, device))
+            if not fn.guard_check(**args):
+                return q, kv
+    return None
 
 
 if __name__ == "__main__":

@@ -786,6 +786,13 @@ def _serve(
         for candidate in (arguments, *_substitutes(warm, arguments)):
             sig = _signature(mode, dynamic, candidate)
             loaded = warm.precompiled.get(sig)
+            if loaded is None and active.dynamic_modes and mode in active.dynamic_modes:
+                # a length of a dynamic range config's range (strict: in the range, by the manifest): its function,
+                # traced at the range's middle, whose guards hold over the range (torch's checks run in serves())
+                coverage = active.covers(sig)
+                if coverage.entry is not None and coverage.entry.config.q_range is not None:
+                    sig = Manifest.traced(sig, coverage.entry)
+                    loaded = warm.precompiled.get(sig)
             if loaded is not None and _runs_warmed_code(warm, candidate) and loaded.serves(candidate):
                 _count_served(state, sig, arguments, "precompiled")
                 with evidence.tagged(_SERVED):

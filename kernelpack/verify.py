@@ -99,12 +99,14 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         # Tier 2 first, in this fresh process: loading and calling a precompiled function must trace and compile
         # nothing, and give tier 1's outputs
         tier2: list[tuple[PrecompiledResult, Any]] = []
+        lengths = range_lengths(config, n_lengths, seed)
         for graph in config.graphs:
             entry = built.precompiled_for(index, graph)
             if entry is not None and tier2_off is None:
-                tier2.append(run_precompiled(config, device, str(Path(result.cache_dir, entry.path)), graph))
+                path = str(Path(result.cache_dir, entry.path))
+                tier2.append(run_precompiled(config, device, path, graph, lengths))
         before = evidence.snapshot()
-        call = run_config(config, device, check=check, lengths=range_lengths(config, n_lengths, seed))
+        call = run_config(config, device, check=check, lengths=lengths)
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
         tiers: dict[str, dict[str, Any]] = {}

@@ -125,9 +125,12 @@ class PrecompiledResult:
     rel_error: float = 0.0  # against tier 1's outputs
 
 
-def run_precompiled(config: Config, device: Any, path: str, graph: Graph) -> tuple[PrecompiledResult, Any]:
-    """Load a graph's precompiled function and make the canonical call (:func:`run_config`'s inputs) through it.
-    Returns the result and the outputs (out, *grads), for :func:`compare_precompiled` after tier 1 has run."""
+def run_precompiled(
+    config: Config, device: Any, path: str, graph: Graph, lengths: list[tuple[int, int]] | None = None
+) -> tuple[PrecompiledResult, Any]:
+    """Load a graph's precompiled function and make the canonical call (:func:`run_config`'s inputs) through it;
+    for a dynamic range config then at each of ``lengths`` too (its guards must hold there). Returns the result and
+    the outputs (out, *grads) of the first call, for :func:`compare_precompiled` after tier 1 has run."""
     from . import precompiled
 
     bm = block_mask_for(config, device)
@@ -137,11 +140,17 @@ def run_precompiled(config: Config, device: Any, path: str, graph: Graph) -> tup
     _sync(device)
     start = time.perf_counter()
     try:
-        out, grads, _ = canonical_call(precompiled.load(path).checked, config, graph, inputs, bm, dout)
+        loaded = precompiled.load(path)
+        out, grads, _ = canonical_call(loaded.checked, config, graph, inputs, bm, dout)
         _sync(device)
+        seconds = time.perf_counter() - start
+        for q, kv in lengths or ():
+            at = dataclasses.replace(config, q_len=q, kv_len=kv)
+            at_inputs = make_inputs(at, device, graph)
+            at_dout = grad_output(at_inputs[0]) if graph == "fwd+bwd" else None
+            canonical_call(loaded.checked, at, graph, at_inputs, block_mask_for(at, device), at_dout)
     except Exception as e:
         return PrecompiledResult(graph, error=f"{type(e).__name__}: {e}"[:1000]), None
-    seconds = time.perf_counter() - start
     return PrecompiledResult(graph, seconds, delta(before, snapshot())), (out, *grads)
 
 
