@@ -846,7 +846,7 @@ def _warmed_signature(active: Activation, warm: Warmup, sig: CallSignature) -> C
     coverage = active.covers(sig)
     if coverage.entry is not None and coverage.entry.config.q_range is not None:
         traced = Manifest.traced(sig, coverage.entry)
-        return traced if traced in warm.signatures else None
+        return traced if traced in warm.signatures and traced not in warm.precompiled else None
     return None
 
 
