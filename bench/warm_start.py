@@ -108,13 +108,21 @@ def run_child(mode: str, cache_dir: Path, artifact: str, blob: Path, timeout: fl
 
 
 def side_by_side(
-    script: str, artifact: str, modes: list[str], repeats: int, timeout: float, out: str
+    script: str,
+    artifact: str,
+    modes: list[str],
+    repeats: int,
+    timeout: float,
+    out: str,
+    cold_repeats: int | None = None,
 ) -> dict[str, list[dict]]:
     """``repeats`` fresh processes of ``script`` per mode, interleaved so that drift hits every mode alike: cold into
-    an empty dir (the first fills the dir warm reuses and saves the blob mega loads), mega and kernelpack into an
-    empty dir each. Used by bench/user_block.py and bench/transformers_step.py. Each sample is printed as it ends
-    and every sample so far is kept in ``out + ".partial"``: a run cut short by a time limit keeps what it measured."""
-    order = ["cold", "warm", "mega", "kernelpack", "tier1"]  # tier1: kernelpack with KERNELPACK_PRECOMPILED=0
+    an empty dir (the first fills the dir warm reuses and saves the blob mega loads; only the first ``cold_repeats``
+    repeats run it), every other mode but warm into an empty dir each. Used by bench/user_block.py and
+    bench/transformers_step.py. Each sample is printed as it ends and every sample so far is kept in
+    ``out + ".partial"``: a run cut short by a time limit keeps what it measured."""
+    # tier1: kernelpack with KERNELPACK_PRECOMPILED=0; background: kernelpack with activate(warmup="background")
+    order = ["cold", "warm", "mega", "kernelpack", "tier1", "background"]
     if not set(modes) <= set(order) or ({"warm", "mega"} & set(modes) and "cold" not in modes):
         sys.exit(f"modes {modes}: any of {order}; warm and mega need cold (it fills their cache and blob)")
     modes = sorted(modes, key=order.index)  # cold first in every repeat: warm and mega reuse what it wrote
@@ -124,6 +132,8 @@ def side_by_side(
     try:
         for i in range(repeats):
             for mode in modes:
+                if mode == "cold" and cold_repeats is not None and i >= cold_repeats:
+                    continue
                 if mode == "cold":
                     d, b = (warm_dir, blob) if i == 0 else (work / f"cold{i}", work / "x.bin")
                 elif mode == "warm":
@@ -134,7 +144,7 @@ def side_by_side(
                 r = samples[mode][-1]
                 print(f"repeat {i + 1} {mode}: first step {r['first_step']:.2f} s, {r['compiles_in_steps']} compiles")
                 Path(out + ".partial").write_text(json.dumps({"samples": samples}))
-                if mode in ("mega", "kernelpack", "tier1"):
+                if mode not in ("cold", "warm"):
                     shutil.rmtree(d, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
