@@ -192,20 +192,24 @@ def main() -> None:
     fresh = ("mega", "kernelpack", *(("tier1", "tier2") if args.tiers else ()))
     samples: dict[str, list[dict]] = {m: [] for m in ("cold", "warm", *fresh)}
     warm_dir, blob = work / "warm", work / "mega.bin"
+
+    def keep(mode: str, sample: dict) -> None:  # printed as it ends, and kept: a run cut short keeps what it measured
+        samples[mode].append(sample)
+        print(f"{mode}: {sample['total']:.2f} s (prep {sample['prep']:.2f} s, calls {sum(sample['calls']):.2f} s)")
+        Path(args.out + ".partial").write_text(json.dumps({"samples": samples}))
+
     try:
         cold_repeats = args.cold_repeats or args.repeats
         for i in range(max(args.repeats, cold_repeats)):
             # Interleave the modes so drift (clocks, page cache) hits all of them alike.
             if i < cold_repeats:
                 d = warm_dir if i == 0 else work / f"cold{i}"
-                samples["cold"].append(
-                    run_child("cold", d, args.artifact, blob if i == 0 else work / "x.bin", args.timeout)
-                )
+                keep("cold", run_child("cold", d, args.artifact, blob if i == 0 else work / "x.bin", args.timeout))
             if i < args.repeats:
-                samples["warm"].append(run_child("warm", warm_dir, args.artifact, blob, args.timeout))
+                keep("warm", run_child("warm", warm_dir, args.artifact, blob, args.timeout))
                 for mode in fresh:
                     d = work / f"{mode}{i}"
-                    samples[mode].append(run_child(mode, d, args.artifact, blob, args.timeout))
+                    keep(mode, run_child(mode, d, args.artifact, blob, args.timeout))
                     shutil.rmtree(d, ignore_errors=True)
         raw = dir_bytes(warm_dir)
         from kernelpack.artifact import read_manifest

@@ -51,8 +51,12 @@ def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "defau
 
     args = (arguments["query"], arguments["key"], arguments["value"])
     kwargs = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
-    compiled = torch.compile(flex_attention, fullgraph=True, dynamic=dynamic, mode=None if mode == "default" else mode)
+    # torch 2.11 gives the compiled function its aot_compile method only when the flag is on at torch.compile time
+    # (FINDINGS, "Skipping Dynamo at warm start"); 2.13 always does
     with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(grad):  # type: ignore[attr-defined]
+        compiled = torch.compile(
+            flex_attention, fullgraph=True, dynamic=dynamic, mode=None if mode == "default" else mode
+        )
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 
