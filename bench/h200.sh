@@ -141,7 +141,7 @@ if [[ $what == tiers-fg ]]; then
   rm -rf /tmp/t18; mkdir -p /tmp/t18
   build() {
     local s; s=$(date +%s.%N)
-    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t18/b$1 --jobs 6 > "$OUT/build-$1.log" 2>&1
+    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t18/b$1 --jobs 6 >> "$OUT/build.log" 2>&1
     echo "build $1 wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/builds.txt"
   }
   build 1
