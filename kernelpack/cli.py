@@ -12,7 +12,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -20,6 +20,9 @@ from . import settings
 from ._version import __version__
 from .build import BuildProgress, ConfigOutcome
 from .errors import KernelpackError, printable
+
+if TYPE_CHECKING:
+    from .artifact import Manifest
 
 
 class _Progress(BuildProgress):
@@ -173,6 +176,22 @@ def build_cmd(
     )
     if result.failed:
         click.echo(f"warning: {len(result.failed)} config(s) failed and are listed in the manifest", err=True)
+    _warn_not_precompiled(m)
+
+
+def _warn_not_precompiled(m: Manifest) -> None:
+    """A build whose tier 2 failed still works (the inductor cache serves every call), so it must say so: on the
+    H200 a torch-version difference once left every graph without its function and nothing told."""
+    graphs = sum(len(c.config.graphs) * len(c.devices) for c in m.configs)
+    missing = graphs - sum(len(c.precompiled) for c in m.configs)
+    if missing:
+        reasons = list(dict.fromkeys(c.not_precompiled for c in m.configs if c.not_precompiled))
+        click.echo(
+            f"warning: {missing} of {graphs} graph(s) have no precompiled function (tier 2), the inductor cache will "
+            f"serve them: {reasons[0] if reasons else 'no reason recorded'}"
+            + (f" (and {len(reasons) - 1} other reason(s): kernelpack inspect --json)" if len(reasons) > 1 else ""),
+            err=True,
+        )
 
 
 @commands.command(name="inspect")
@@ -197,7 +216,10 @@ def inspect_cmd(artifact: str, as_json: bool) -> None:
     _echo(f"devices: {list(m.devices)}")
     _echo(f"configs ({len(m.configs)}):")
     for c in m.configs:
-        _echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}")
+        tier2 = f"{len(c.precompiled)}/{len(c.config.graphs) * len(c.devices)}"
+        _echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}  tier 2 {tier2}")
+        if c.not_precompiled:
+            _echo(f"    not precompiled: {c.not_precompiled}")
     for f in m.failed:
         _echo(f"  FAILED {f.config.id} (device {f.device}): {f.error}")
 

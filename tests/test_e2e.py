@@ -199,3 +199,25 @@ def test_devices_do_not_apply_to_cpu_recipes(tmp_path: Path, capsys: pytest.Capt
     assert main(["build", str(SMOKE), "-o", str(tmp_path), "--devices", "0,1"]) == 1
     assert "does not apply" in capsys.readouterr().err
     assert main(["build", str(SMOKE), "-o", str(tmp_path), "--devices", "zero"]) == 2
+
+
+def test_a_build_without_precompiled_functions_says_so(
+    user_masks: Path,
+    smoke_artifact: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A build whose tier 2 is missing still works (tier 1 serves), so the CLI warns with the reason and inspect shows
+    it per config. (On the H200, torch 2.11's missing aot_compile left every graph without a function, silently.)"""
+    monkeypatch.setenv("KERNELPACK_PRECOMPILE", "0")
+    out = tmp_path / "out"
+    assert main(["build", str(user_recipe(tmp_path, "[32]")), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "warning: 1 of 1 graph(s) have no precompiled function" in err and "KERNELPACK_PRECOMPILE=0" in err, err
+    assert main(["inspect", str(next(out.glob("*.kpack")))]) == 0
+    text = capsys.readouterr().out
+    assert "tier 2 0/1" in text and "not precompiled: built with KERNELPACK_PRECOMPILE=0" in text, text
+    assert main(["inspect", str(smoke_artifact)]) == 0
+    text = capsys.readouterr().out
+    assert "not precompiled" not in text and "tier 2 0/" not in text and "tier 2 1/1" in text, text
