@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _fs
+from . import _fs, settings
 from .errors import KernelpackError
 
 LOG_TAIL_LINES = 25
@@ -56,27 +56,63 @@ def fresh_cache_env(cache_dir: Path, **extra: str) -> dict[str, str]:
     return env
 
 
-def run(module: str, payload: Mapping[str, Any], *, workdir: Path, env: Mapping[str, str], timeout: float) -> Outcome:
-    """Run ``python -m module --worker`` on ``payload`` in ``workdir`` (log and result live there)."""
+EVENTS_ENV = "KERNELPACK_WORKER_EVENTS"
+
+
+def emit(event: Mapping[str, Any]) -> None:
+    """The child's side of progress: one JSON line the parent's ``on_event`` receives while the work runs (nothing
+    when the parent asked for none)."""
+    path = settings.worker_events()
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+def run(
+    module: str,
+    payload: Mapping[str, Any],
+    *,
+    workdir: Path,
+    env: Mapping[str, str],
+    timeout: float,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
+) -> Outcome:
+    """Run ``python -m module --worker`` on ``payload`` in ``workdir`` (log and result live there); ``on_event``
+    gets each :func:`emit` of the child as it comes (polled, in this thread)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    result_file, log_file = workdir / "result.json", workdir / "worker.log"
+    result_file, log_file, events = workdir / "result.json", workdir / "worker.log", workdir / "events.jsonl"
     result_file.unlink(missing_ok=True)  # a result left by an earlier run must not pass for this one's
+    events.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(payload), str(result_file)]
+    env = {**env, EVENTS_ENV: str(events)} if on_event else dict(env)
     start = time.perf_counter()
+    seen = 0
+
+    def deliver() -> None:
+        nonlocal seen
+        if on_event is None or not events.exists():
+            return
+        data = events.read_bytes()
+        end = data.rfind(b"\n") + 1  # whole lines only: the child may be mid-write
+        for line in data[seen:end].splitlines():
+            on_event(json.loads(line))
+        seen = max(seen, end)
+
     with open(log_file, "wb") as log:
-        try:
-            proc = subprocess.run(
-                cmd,
-                env=dict(env),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                timeout=timeout,
-                check=False,
-            )
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        rc: int | None = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.25 if on_event else max(0.0, timeout - (time.perf_counter() - start)))
+                break
+            except subprocess.TimeoutExpired:
+                deliver()
+                if time.perf_counter() - start >= timeout:
+                    proc.kill()
+                    proc.wait()
+                    rc = None
+                    break
+        deliver()
     seconds = time.perf_counter() - start
     try:
         data = json.loads(result_file.read_text())

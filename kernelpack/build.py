@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _fs, _worker, evidence
+from . import _fs, _worker, evidence, settings
 from . import artifact as art
 from .compiled import key_settings, trace_settings
 from .errors import BuildError, KernelpackError
@@ -45,12 +45,16 @@ class ConfigOutcome:
     log_tail: str = ""
     cache_dir: Path | None = None
     precompiled: dict[str, Any] = field(default_factory=dict)  # tier 2: {"graphs": {graph: {path, seconds}}, "missing"}
+    wall_seconds: float = 0.0  # the worker process, start-up included (a timed-out worker has no ``seconds``)
 
 
 class BuildProgress:
-    """No-op progress callback; the CLI attaches a progress bar."""
+    """Progress callbacks, no-ops here; the CLI renders them (kernelpack.cli). ``config_started`` and
+    ``config_done`` are called from the worker threads, up to ``jobs`` at once."""
 
-    def start(self, total: int) -> None: ...
+    def start(self, total: int, jobs: int) -> None: ...
+
+    def config_started(self, config: Config, device_index: int) -> None: ...
 
     def config_done(self, outcome: ConfigOutcome) -> None: ...
 
@@ -99,16 +103,22 @@ def build_recipe(
             f"recipe {recipe.name!r} is for the CPU: --devices {devices} does not apply",
             hint="drop --devices for CPU recipes",
         )
+    preflight(recipe, configs, devices, Path(out_dir))
     progress = progress or BuildProgress()
     start = time.perf_counter()
     own_workdir = workdir is None
     work = Path(tempfile.mkdtemp(prefix="kernelpack-build-")) if workdir is None else Path(workdir)
     try:
         pairs = [(c, d) for c in configs for d in devices]
-        progress.start(len(pairs))
+        progress.start(len(pairs), max(1, jobs))
+
+        def run(c: Config, d: int) -> ConfigOutcome:
+            progress.config_started(c, d)
+            return _run_worker(c, work / f"{c.id}-d{d}", d, timeout)
+
         outcomes: list[ConfigOutcome] = []
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = [pool.submit(_run_worker, c, work / f"{c.id}-d{d}", d, timeout) for c, d in pairs]
+            futures = [pool.submit(run, c, d) for c, d in pairs]
             for fut in as_completed(futures):
                 outcome = fut.result()
                 outcomes.append(outcome)
@@ -117,12 +127,83 @@ def build_recipe(
         failed = [o for o in outcomes if not o.ok]
         built = [o for o in outcomes if o.ok]
         if (failed and not keep_going) or not built:
-            raise BuildError(_failure_report(recipe, failed), failed=[o.config.id for o in failed])
+            ids = [o.config.id for o in failed]
+            raise BuildError(_failure_report(recipe, failed), failed=ids, hint=_hint(failed, built, timeout))
         path, manifest = _package(recipe, built, failed, Path(out_dir), level, shard)
         return BuildResult(path, manifest, outcomes, time.perf_counter() - start)
     finally:
         if own_workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int], out_dir: Path) -> None:
+    """What can fail before any compile, checked in seconds instead of after the workers ran: the output directory
+    can be written, the recipe's device type is there (and ``devices`` are visible), and every mask and score_mod
+    factory imports, once each."""
+    _check_out_dir(out_dir)
+    if recipe.device == "cuda":
+        _check_cuda(recipe, devices)
+    from . import masks
+
+    seen: set[str] = set()
+    for c in configs:
+        for kind, what, spec in (("mask", "mask", c.mask), ("score", "score_mod", c.score_mod)):
+            if ":" in spec and spec not in seen and c.reference(kind) is None:  # type: ignore[arg-type]
+                seen.add(spec)
+                masks.load_factory(spec, what)
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """A real write probe (os.access says yes to root for anything), in the nearest directory that exists; it leaves
+    nothing behind, and the output directory itself is created only when the artifact is written."""
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    hint = "choose a writable output directory with -o"
+    if not existing.is_dir():
+        raise KernelpackError(f"cannot write the artifact in {out_dir}: {existing} is not a directory", hint=hint)
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".kernelpack-probe-"):
+            pass
+    except OSError as e:
+        raise KernelpackError(f"cannot write the artifact in {out_dir}: {type(e).__name__}: {e}", hint=hint) from None
+
+
+def _check_cuda(recipe: Recipe, devices: Sequence[int]) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why, hint = "is a CPU-only build", "build CUDA recipes on a GPU machine with a CUDA build of torch"
+        else:
+            why = f"(CUDA {torch.version.cuda}) sees no CUDA device"
+            visible = settings.cuda_visible_devices()
+            hint = "check the GPU and its driver (nvidia-smi)" + (
+                f"; CUDA_VISIBLE_DEVICES={','.join(visible)!r} is set" if visible is not None else ""
+            )
+        raise KernelpackError(f"recipe {recipe.name!r} is for CUDA, but torch {torch.__version__} {why}", hint=hint)
+    count = torch.cuda.device_count()
+    missing = [d for d in devices if d >= count]
+    if missing:
+        raise KernelpackError(
+            f"--devices {','.join(map(str, devices))}: only {count} CUDA device(s) are visible (0..{count - 1})",
+            hint="name visible device indices, or check CUDA_VISIBLE_DEVICES",
+        )
+
+
+def _hint(failed: list[ConfigOutcome], built: list[ConfigOutcome], timeout: float) -> str:
+    """The hint that matches the failures: --keep-going only when something built, --timeout for timeouts."""
+    timed_out = [o for o in failed if "timed out" in o.message]
+    hints = []
+    if timed_out:
+        hints.append(f"{len(timed_out)} timed out: raise --timeout (now {timeout:.0f} s per config)")
+    if len(timed_out) < len(failed):
+        hints.append("fix or drop the failing configs (the reasons are above)")
+    if built:
+        hints.append("or pass --keep-going to ship the configs that built")
+    elif failed:
+        hints.append("no config built, so --keep-going would ship nothing")
+    return "; ".join(hints)
 
 
 def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
@@ -162,6 +243,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         log_tail=outcome.log_tail,
         cache_dir=cache_dir,
         precompiled=r.get("precompiled", {}),
+        wall_seconds=outcome.seconds,
     )
 
 

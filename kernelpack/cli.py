@@ -18,34 +18,10 @@ import click
 
 from . import settings
 from ._version import __version__
-from .build import BuildProgress, ConfigOutcome
 from .errors import KernelpackError, printable
 
 if TYPE_CHECKING:
     from .artifact import Manifest
-
-
-class _Progress(BuildProgress):
-    """One line per finished config: count, outcome, compile time, elapsed and ETA (CI logs stay readable)."""
-
-    def __init__(self) -> None:
-        self.total = self.done = 0
-        self.start_t = time.perf_counter()
-
-    def start(self, total: int) -> None:
-        self.total, self.start_t = total, time.perf_counter()
-        click.echo(f"building {total} config(s)", err=True)
-
-    def config_done(self, outcome: ConfigOutcome) -> None:
-        self.done += 1
-        elapsed = time.perf_counter() - self.start_t
-        eta = elapsed / self.done * (self.total - self.done)
-        status = "ok  " if outcome.ok else "FAIL"
-        click.echo(
-            f"[{self.done:>{len(str(self.total))}}/{self.total}] {status} {outcome.seconds:6.1f}s "
-            f"{outcome.config.describe()}  elapsed {_hms(elapsed)} eta {_hms(eta)}",
-            err=True,
-        )
 
 
 def _parse_devices(text: str) -> list[int]:
@@ -129,10 +105,23 @@ def commands(ctx: click.Context, verbose: bool) -> None:
     ctx.obj = {"verbose": verbose or settings.debug()}
 
 
+def _progress_options(f: Any) -> Any:
+    f = click.option(
+        "--progress",
+        type=click.Choice(["auto", "live", "plain", "jsonl"]),
+        default="auto",
+        show_default=True,
+        help="auto: a live table on a terminal, plain lines otherwise; jsonl: one JSON object per event (stderr).",
+    )(f)
+    return click.option("-q", "--quiet", is_flag=True, help="No progress output; errors and the result only.")(f)
+
+
 @commands.command(name="build")
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out_dir", default=".", show_default=True, help="Directory for the artifact.")
-@click.option("-j", "--jobs", default=1, show_default=True, help="Configs compiled in parallel on the device.")
+@click.option(
+    "-j", "--jobs", default=1, show_default=True, type=click.IntRange(min=1), help="Configs compiled in parallel."
+)
 @click.option("--keep-going", is_flag=True, help="Ship the configs that built; list the failed ones in the manifest.")
 @click.option(
     "--devices",
@@ -143,6 +132,7 @@ def commands(ctx: click.Context, verbose: bool) -> None:
 @click.option("--shard", default=None, metavar="I/N", help="Build the I-th of N deterministic slices (CI shards).")
 @click.option("--level", default=10, show_default=True, help="zstd level.")
 @click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
+@_progress_options
 def build_cmd(
     recipe: str,
     out_dir: str,
@@ -152,22 +142,29 @@ def build_cmd(
     shard: str | None,
     level: int,
     timeout: float,
+    progress: str,
+    quiet: bool,
 ) -> None:
     """Compile RECIPE's configs and pack the caches into one .kpack artifact."""
     _needs_torch("build")
+    from ._render import build_progress
     from .build import build_recipe
 
-    result = build_recipe(
-        recipe,
-        out_dir,
-        jobs=jobs,
-        keep_going=keep_going,
-        devices=_parse_devices(devices),
-        shard=_parse_shard(shard),
-        level=level,
-        timeout=timeout,
-        progress=_Progress(),
-    )
+    shown = build_progress("none" if quiet else progress)
+    try:
+        result = build_recipe(
+            recipe,
+            out_dir,
+            jobs=jobs,
+            keep_going=keep_going,
+            devices=_parse_devices(devices),
+            shard=_parse_shard(shard),
+            level=level,
+            timeout=timeout,
+            progress=shown,
+        )
+    finally:
+        shown.close()
     assert result.artifact is not None and result.manifest is not None
     m = result.manifest
     click.echo(
@@ -249,14 +246,30 @@ def install_cmd(artifact: str, cache_dir: str | None, allow_mismatch: bool, devi
 @click.option("--json", "as_json", is_flag=True, help="Print the full report as JSON.")
 @click.option("--seed", type=int, default=None, help="Seed of the shuffled config order.")
 @click.option("--check", is_flag=True, help="Also compare outputs with the float64 reference.")
+@_progress_options
 @click.pass_context
-def verify_cmd(ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool) -> None:
+def verify_cmd(
+    ctx: click.Context, artifact: str, as_json: bool, seed: int | None, check: bool, progress: str, quiet: bool
+) -> None:
     """Prove ARTIFACT: in a fresh process, install it and check every config's first call compiles nothing."""
     _needs_torch("verify")
+    from ._render import VerifyRender, step_summary
+    from .errors import VerifyError
     from .verify import verify_artifact
 
-    report = verify_artifact(artifact, seed=seed, check=check)
+    shown = VerifyRender("none" if quiet or as_json else progress)
+    summary = settings.github_step_summary()  # GitHub Actions: the job's summary page gets the table
+    try:
+        report = verify_artifact(artifact, seed=seed, check=check, progress=shown)
+    except VerifyError as e:
+        if summary and e.data:
+            step_summary(summary, e.data, artifact)
+        raise
+    finally:
+        shown.close()
     data = report.data
+    if summary:
+        step_summary(summary, data, artifact)
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -277,10 +290,15 @@ def verify_cmd(ctx: click.Context, artifact: str, as_json: bool, seed: int | Non
     )
     if data.get("triton_detection", "").startswith("unavailable"):
         click.echo(f"warning: Triton compiles could not be observed: {data['triton_detection']}", err=True)
+    if check:  # the per-config reference errors, the numbers --check adds
+        click.echo("reference check (max. relative error against float64, per graph):")
+        for c in data["configs"]:
+            errors = ", ".join(f"{g} {e:.2e}" for g, e in sorted(c.get("errors", {}).items()))
+            _echo(f"  {c['describe']}: {errors or 'not computed'}")
     if ctx.obj["verbose"]:
         for c in data["configs"]:
             tiers = ", ".join(f"{g} {t['tier']}" for g, t in c.get("tiers", {}).items())
-            click.echo(f"  {c['describe']}: {c['seconds']:.2f} s ({tiers})")
+            _echo(f"  {c['describe']}: {c['seconds']:.2f} s ({tiers})")
 
 
 @commands.command(name="merge")
@@ -438,12 +456,42 @@ def _show_warning(
     click.echo(f"warning: {printable(str(message))}", err=True)
 
 
+def _hoist_verbose(args: list[str]) -> list[str]:
+    """``kernelpack verify -v`` means ``kernelpack -v verify``: -v is the group's option, and the hints tell users
+    to add it to the command they ran. Not past ``--`` or inside ``record``'s command, which keeps its own -v."""
+    head = args[: args.index("--")] if "--" in args else args
+    if "record" in head:
+        head = head[: head.index("record")]
+    hoisted = [a for a in head if a in ("-v", "--verbose")]
+    if not hoisted:
+        return args
+    rest = list(args)
+    for a in hoisted:
+        rest.remove(a)
+    return ["-v", *rest]
+
+
+def _usage_hint(e: click.UsageError) -> str:
+    command = e.ctx.command_path if e.ctx is not None else "kernelpack"
+    if "unexpected extra argument" in e.format_message():
+        return (
+            f"{command} takes one path per argument; a shell glob that matched several files (shards too) gives "
+            f"extra arguments: name one file. See {command} --help"
+        )
+    return f"see {command} --help"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (testable with click's CliRunner or directly)."""
-    verbose = settings.debug() or any(a in ("-v", "--verbose") for a in (argv or sys.argv))
+    args = _hoist_verbose(list(argv) if argv is not None else sys.argv[1:])
+    verbose = settings.debug() or args[:1] == ["-v"] or args[:1] == ["--verbose"]
     warnings.showwarning = _show_warning
     try:
-        commands.main(args=list(argv) if argv is not None else None, prog_name="kernelpack", standalone_mode=False)
+        commands.main(args=args, prog_name="kernelpack", standalone_mode=False)
+    except click.UsageError as e:  # documented as error:/hint: and exit 1, like every other error
+        click.echo(f"error: {printable(e.format_message())}", err=True)
+        click.echo(f"hint: {printable(_usage_hint(e))}", err=True)
+        return 1
     except KernelpackError as e:
         if verbose:
             raise
@@ -454,9 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         return 130
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code
+    except click.ClickException as e:  # a file click could not open, and the like
+        click.echo(f"error: {printable(e.format_message())}", err=True)
+        return 1
     except click.exceptions.Exit as e:
         return e.exit_code
     return 0

@@ -251,9 +251,10 @@ def import_module(name: str, what: str) -> types.ModuleType:
     """The module a recipe names (``what`` says for what), or an error saying it must be importable here."""
     try:
         return importlib.import_module(name)
-    except ImportError as e:
+    except Exception as e:  # ImportError, or whatever the module's own code raised while importing
+        why = str(e) if isinstance(e, ImportError) else f"{type(e).__name__}: {e}"
         raise KernelpackError(
-            f"{what}: cannot import module {name!r}: {e}",
+            f"{what}: cannot import module {name!r}: {why}",
             hint="the module must be importable in the builder and in every worker (pip install it or set PYTHONPATH)",
         ) from e
 

@@ -8,6 +8,7 @@ so callers can catch them the usual way.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 def printable(text: str) -> str:
@@ -69,11 +70,12 @@ class RecipeError(KernelpackError, ValueError):
         *,
         value: object = None,
         allowed: Sequence[object] | str | None = None,
+        hint: str | None = None,
     ) -> None:
         self.path, self.key, self.value, self.allowed = path, key, value, allowed
         super().__init__(
             f"{path}: {key}: {_describe_problem(message, value, allowed)}",
-            hint="fix the recipe; the README's 'Recipe format' section lists every key",
+            hint=hint or "fix the recipe; the README's 'Recipe format' section lists every key",
         )
 
 
@@ -134,19 +136,20 @@ class KeyMismatchError(KernelpackError):
 class BuildError(KernelpackError, RuntimeError):
     """One or more configs failed to compile or to match the reference."""
 
-    def __init__(self, message: str, *, failed: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, *, failed: Sequence[str] = (), hint: str | None = None) -> None:
         self.failed = list(failed)
-        super().__init__(message, hint="fix or drop the failing configs, or pass --keep-going to ship the rest")
+        super().__init__(message, hint=hint or "fix or drop the failing configs, or pass --keep-going to ship the rest")
 
 
 class VerifyError(KernelpackError, RuntimeError):
     """The artifact does not make the recipe's first calls compile nothing."""
 
-    def __init__(self, message: str, *, failed: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, *, failed: Sequence[str] = (), data: dict[str, Any] | None = None) -> None:
         self.failed = list(failed)
+        self.data = data  # the report, when the fresh process ran to its end
         super().__init__(
             message,
-            hint="rebuild the artifact with this torch build; run with -v for the per-config counters",
+            hint="rebuild the artifact with this torch build; kernelpack verify -v shows the per-config counters",
         )
 
 

@@ -129,7 +129,7 @@ def mask_for(config: Config, device: Any = "cpu") -> MaskMod:
 def _from_factory(spec: str, config: Config, what: str, returns: str) -> Any:
     """``factory(config)`` for a recipe's ``"pkg.mod:factory"``: a function of the recipe point's shapes (example
     tensors of those shapes when the function closes over tensors; their values do not enter the graph)."""
-    factory = load_factory(spec)
+    factory = load_factory(spec, what)
     try:
         fn = factory(config)
     except Exception as e:
@@ -145,16 +145,17 @@ def _from_factory(spec: str, config: Config, what: str, returns: str) -> Any:
     return fn
 
 
-def load_factory(spec: str) -> Callable[[Config], MaskMod]:
+def load_factory(spec: str, what: str = "mask") -> Callable[[Config], MaskMod]:
     module_name, _, attr = spec.partition(":")
-    obj: Any = closures.import_module(module_name, f"mask {spec!r}")
+    obj: Any = closures.import_module(module_name, f"{what} {spec!r}")
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise KernelpackError(
-                f"mask {spec!r}: module {module_name!r} has no attribute {attr!r}",
-                hint="mask = 'package.module:factory' names a function that takes a Config and returns a mask_mod",
+                f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}",
+                hint=f"{what} = 'package.module:factory' names a function that takes a Config and returns a "
+                f"{'mask_mod' if what == 'mask' else what}",
             ) from None
     return obj  # type: ignore[no-any-return]
 

@@ -70,6 +70,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -520,7 +521,9 @@ def load_recipe(path: str | Path) -> Recipe:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise RecipeError(path, "<file>", "recipe file not found") from None
+        raise RecipeError(
+            path, "<file>", "recipe file not found", hint=f"check the path: no file {os.path.abspath(path)}"
+        ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(path, "<toml>", f"not valid TOML: {e}") from None
     except OSError as e:

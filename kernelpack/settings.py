@@ -14,10 +14,12 @@ A bad value is a :class:`SettingError` naming the variable, its value and what i
 | ``KERNELPACK_LOCK_TIMEOUT``      | ``600``                                   | every file lock                 |
 | ``KERNELPACK_MAX_EXPANDED_BYTES``| ``68719476736`` (64 GiB)                  | reading artifacts               |
 | ``KERNELPACK_WARMUP_WAIT_SECONDS`` | ``900``                                 | calls during a background warm-up |
+| ``KERNELPACK_WORKER_EVENTS``     | none (set by kernelpack for its workers)  | a worker's progress events      |
 
 and the variables of others that kernelpack honours: ``LOCAL_RANK`` (torchrun), ``SOURCE_DATE_EPOCH``
 (reproducible builds), ``XDG_CACHE_HOME``, ``CUDA_VISIBLE_DEVICES``, ``TORCHINDUCTOR_CACHE_DIR`` and
-``TRITON_CACHE_DIR`` (torch's own). Only :mod:`kernelpack.runtime` *sets* variables (at job start).
+``TRITON_CACHE_DIR`` (torch's own), ``GITHUB_STEP_SUMMARY`` (GitHub Actions: ``verify`` appends its
+table). Only :mod:`kernelpack.runtime` *sets* variables (at job start).
 """
 
 from __future__ import annotations
@@ -189,3 +191,13 @@ def triton_cache_dir() -> Path | None:
     """``TRITON_CACHE_DIR`` when set (absolute): inductor puts Triton's files there instead of under its own dir."""
     value = _get("TRITON_CACHE_DIR")
     return Path(value).absolute() if value is not None else None
+
+
+def worker_events() -> str | None:
+    """The file a worker appends its progress events to (:func:`kernelpack._worker.emit`); set by its parent."""
+    return _get("KERNELPACK_WORKER_EVENTS")
+
+
+def github_step_summary() -> str | None:
+    """GitHub Actions' job summary file, where ``kernelpack verify`` appends its per-config table."""
+    return _get("GITHUB_STEP_SUMMARY")

@@ -37,6 +37,15 @@ class VerifyReport:
     data: dict[str, Any]  # the worker's JSON report: per-config counters and time-to-first-call
 
 
+class VerifyProgress:
+    """Progress callbacks, no-ops here; the CLI renders them. Called in the caller's thread while the fresh process
+    works: ``start`` once installed, ``config_done`` per (config, device) with its entry of the report."""
+
+    def start(self, total: int) -> None: ...
+
+    def config_done(self, config: dict[str, Any]) -> None: ...
+
+
 def verify_artifact(
     artifact: str | os.PathLike[str],
     *,
@@ -44,6 +53,7 @@ def verify_artifact(
     check: bool = False,
     timeout: float = 3600.0,
     lengths: int = 20,
+    progress: VerifyProgress | None = None,
 ) -> VerifyReport:
     """Raises :class:`VerifyError` when any config compiled something; returns the report otherwise. A dynamic range
     config is also called at both ends of its ranges and at ``lengths`` random lengths in them (not multiples of 128),
@@ -60,6 +70,7 @@ def verify_artifact(
             workdir=Path(tmp, "worker"),
             env=env,
             timeout=timeout,
+            on_event=None if progress is None else lambda e: _deliver(progress, e),
         )
     if outcome.value is None:
         tail = f"\n{outcome.log_tail}" if outcome.log_tail else ""
@@ -69,8 +80,15 @@ def verify_artifact(
     if failures:
         lines = [f"{path}: {len(failures)} of {len(data['configs'])} config(s) compiled on their first call:"]
         lines += [f"- {c['describe']}: {', '.join(c['reasons'])}" for c in failures]
-        raise VerifyError("\n".join(lines), failed=[c["id"] for c in failures])
+        raise VerifyError("\n".join(lines), failed=[c["id"] for c in failures], data=data)
     return VerifyReport(data)
+
+
+def _deliver(progress: VerifyProgress, event: dict[str, Any]) -> None:
+    if event["event"] == "start":
+        progress.start(event["total"])
+    elif event["event"] == "config_done":
+        progress.config_done(event["config"])
 
 
 def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
@@ -92,6 +110,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
     report["installed_files"] = result.written
     pairs = result.manifest.pairs()
     random.Random(seed).shuffle(pairs)
+    _worker.emit({"event": "start", "total": len(pairs)})
     tier2_off = precompiled.unavailable()
     for built, index in pairs:
         config = built.config
@@ -152,6 +171,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 "reasons": reasons,
             }
         )
+        _worker.emit({"event": "config_done", "config": report["configs"][-1]})
     report["totals"] = {k: sum(c["counters"][k] for c in report["configs"]) for k in evidence.snapshot()}
     report["precompiled"] = sum(t["tier"] == "precompiled" for c in report["configs"] for t in c["tiers"].values())
     report["first_step_seconds"] = sum(c["seconds"] for c in report["configs"])

@@ -43,6 +43,7 @@ LAYERS = {
     "workload": 5,
     "build": 5,
     "verify": 5,
+    "_render": 5,
     "cli": 5,
 }
 

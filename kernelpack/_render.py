@@ -1,0 +1,266 @@
+"""How the CLI shows the progress of ``build`` and ``verify``: a live table on a terminal (rich, imported only when
+one is shown), plain lines in logs, JSON lines for CI (``--progress=jsonl``), or nothing (``--quiet``). The library
+reports through callbacks (:class:`kernelpack.build.BuildProgress`, :class:`kernelpack.verify.VerifyProgress`) and
+never prints; only the CLI imports this module. Everything goes to stderr: stdout keeps the command's result.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import threading
+import time
+from typing import Any
+
+import click
+
+from .build import BuildProgress, ConfigOutcome
+from .recipe import Config
+from .verify import VerifyProgress
+
+MODES = ("auto", "live", "plain", "jsonl", "none")
+
+
+def hms(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"
+
+
+def _mode(mode: str) -> str:
+    return ("live" if sys.stderr.isatty() else "plain") if mode == "auto" else mode
+
+
+class Eta:
+    """Time left for ``total`` configs run ``jobs`` at a time: the configs running now finish after the mean time of
+    the finished ones (less what they ran already), the queued ones in waves of ``jobs`` after that."""
+
+    def __init__(self, total: int, jobs: int) -> None:
+        self.total, self.jobs = total, max(1, jobs)
+        self.running: dict[tuple[str, int], float] = {}
+        self.durations: list[float] = []
+
+    def started(self, key: tuple[str, int]) -> None:
+        self.running[key] = time.perf_counter()
+
+    def finished(self, key: tuple[str, int]) -> float:
+        """The seconds this config ran (as seen here, timed-out workers included)."""
+        seconds = time.perf_counter() - self.running.pop(key, time.perf_counter())
+        self.durations.append(seconds)
+        return seconds
+
+    def left(self) -> float | None:
+        if not self.durations:
+            return None
+        mean, now = statistics.mean(self.durations), time.perf_counter()
+        running = max((max(0.0, mean - (now - t)) for t in self.running.values()), default=0.0)
+        queued = self.total - len(self.durations) - len(self.running)
+        return running + mean * math.ceil(max(0, queued) / self.jobs)
+
+
+class _BuildBase(BuildProgress):
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.t0 = time.perf_counter()
+        self.eta = Eta(0, 1)
+        self.done = 0
+
+    def start(self, total: int, jobs: int) -> None:
+        with self.lock:
+            self.t0, self.eta = time.perf_counter(), Eta(total, jobs)
+            self._start(total, jobs)
+
+    def config_started(self, config: Config, device_index: int) -> None:
+        with self.lock:
+            self.eta.started((config.id, device_index))
+            self._config_started(config, device_index)
+
+    def config_done(self, outcome: ConfigOutcome) -> None:
+        with self.lock:
+            self.done += 1
+            ran = self.eta.finished((outcome.config.id, outcome.device_index))
+            # a worker that failed (or timed out) reports no compile time: show how long it ran
+            self._config_done(outcome, outcome.seconds if outcome.ok else (outcome.wall_seconds or ran))
+            last = self.done == self.eta.total
+        if last:  # outside the lock: a live display's refresh thread takes it, and stopping joins that thread
+            self.close()
+
+    def close(self) -> None: ...
+
+    def _start(self, total: int, jobs: int) -> None: ...
+
+    def _config_started(self, config: Config, device_index: int) -> None: ...
+
+    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None: ...
+
+    def _eta(self) -> str:
+        left = self.eta.left()
+        return "?" if left is None else hms(left)
+
+
+class BuildLines(_BuildBase):
+    """One line per finished config (CI logs stay readable)."""
+
+    def _start(self, total: int, jobs: int) -> None:
+        click.echo(f"building {total} config(s), {jobs} at a time", err=True)
+
+    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None:
+        total = self.eta.total
+        click.echo(
+            f"[{self.done:>{len(str(total))}}/{total}] {'ok  ' if outcome.ok else 'FAIL'} {seconds:6.1f}s "
+            f"{outcome.config.describe()}  elapsed {hms(time.perf_counter() - self.t0)} "
+            f"eta {self._eta()}",
+            err=True,
+        )
+
+
+class BuildJsonl(_BuildBase):
+    """One JSON object per event, for CI logs and tools."""
+
+    def _emit(self, **event: Any) -> None:
+        event["elapsed"] = round(time.perf_counter() - self.t0, 3)
+        click.echo(json.dumps(event), err=True)
+
+    def _start(self, total: int, jobs: int) -> None:
+        self._emit(event="start", total=total, jobs=jobs)
+
+    def _config_started(self, config: Config, device_index: int) -> None:
+        self._emit(event="config_started", id=config.id, device=device_index, describe=config.describe())
+
+    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None:
+        left = self.eta.left()
+        self._emit(
+            event="config_done",
+            id=outcome.config.id,
+            device=outcome.device_index,
+            ok=outcome.ok,
+            seconds=round(seconds, 3),
+            message=outcome.message,
+            done=self.done,
+            total=self.eta.total,
+            eta=None if left is None else round(left, 1),
+        )
+
+
+class BuildLive(_BuildBase):
+    """A table that rich redraws in place: every config's state, elapsed time and the ETA."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[tuple[str, int], list[Any]] = {}  # key -> [describe, state, seconds or start time]
+        self.live: Any = None
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        now = time.perf_counter()
+        with self.lock:
+            table = Table(
+                title=f"building {self.eta.total} config(s), {self.eta.jobs} at a time: {self.done} done, "
+                f"elapsed {hms(now - self.t0)}, eta {self._eta()}",
+                title_justify="left",
+                box=None,
+            )
+            table.add_column("state")
+            table.add_column("time", justify="right")
+            table.add_column("config")
+            for describe, state, t in self.rows.values():
+                seconds = now - t if state == "running" else t
+                style = {"ok": "green", "FAIL": "bold red", "running": "yellow"}.get(state, "dim")
+                table.add_row(f"[{style}]{state}[/]", "" if state == "queued" else f"{seconds:.1f}s", describe)
+        return table
+
+    def _start(self, total: int, jobs: int) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.live = Live(self, console=Console(stderr=True), refresh_per_second=4)
+        self.live.start()
+
+    def _config_started(self, config: Config, device_index: int) -> None:
+        self.rows[(config.id, device_index)] = [config.describe(), "running", time.perf_counter()]
+
+    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None:
+        self.rows[(outcome.config.id, outcome.device_index)] = [
+            outcome.config.describe(),
+            "ok" if outcome.ok else "FAIL",
+            seconds,
+        ]
+
+    def close(self) -> None:
+        live, self.live = self.live, None
+        if live is not None:
+            live.stop()
+
+
+def build_progress(mode: str) -> _BuildBase:
+    return {"live": BuildLive, "plain": BuildLines, "jsonl": BuildJsonl, "none": _BuildBase}[_mode(mode)]()
+
+
+def _tiers(config: dict[str, Any]) -> str:
+    return ", ".join(f"{g} {t['tier']}" for g, t in config.get("tiers", {}).items())
+
+
+class VerifyRender(VerifyProgress):
+    """Plain lines (``plain``), JSON lines (``jsonl``) or nothing (``none``) per verified config; a terminal gets
+    the same lines, redrawn under a live status line."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.t0, self.total, self.done = _mode(mode), time.perf_counter(), 0, 0
+        self.status: Any = None
+
+    def start(self, total: int) -> None:
+        self.total = total
+        if self.mode == "jsonl":
+            click.echo(json.dumps({"event": "start", "total": total}), err=True)
+        elif self.mode == "plain":
+            click.echo(f"verifying {total} config(s) in a fresh process", err=True)
+        elif self.mode == "live":
+            from rich.console import Console
+
+            self.status = Console(stderr=True).status(f"verifying {total} config(s) in a fresh process")
+            self.status.start()
+
+    def config_done(self, config: dict[str, Any]) -> None:
+        self.done += 1
+        ok = not config["reasons"]
+        elapsed = time.perf_counter() - self.t0
+        if self.mode == "jsonl":
+            event = {"event": "config_done", "id": config["id"], "ok": ok, "seconds": round(config["seconds"], 3)}
+            click.echo(json.dumps({**event, "reasons": config["reasons"], "elapsed": round(elapsed, 3)}), err=True)
+            return
+        if self.mode == "none":
+            return
+        line = (
+            f"[{self.done}/{self.total}] {'ok  ' if ok else 'FAIL'} {config['seconds']:6.2f}s {config['describe']} "
+            f"({_tiers(config)})" + ("" if ok else f": {', '.join(config['reasons'])}")
+        )
+        if self.status is not None:
+            self.status.console.print(line, markup=False, highlight=False)
+            self.status.update(f"verified {self.done} of {self.total} config(s), elapsed {hms(elapsed)}")
+        else:
+            click.echo(line, err=True)
+
+    def close(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def step_summary(path: str, data: dict[str, Any], artifact: str) -> None:
+    """verify's per-config table for GitHub Actions' job summary ($GITHUB_STEP_SUMMARY: appended Markdown)."""
+    lines = [
+        f"### kernelpack verify: `{artifact}`",
+        "",
+        f"{len(data['configs'])} config(s), {data.get('precompiled', 0)} graph(s) served by precompiled functions, "
+        f"torch {data['torch']['version']} (`{data['torch']['git'][:12]}`)",
+        "",
+        "| config | first call (s) | tiers | result |",
+        "|---|---|---|---|",
+    ]
+    for c in data["configs"]:
+        result = "ok" if not c["reasons"] else "FAIL: " + "; ".join(c["reasons"])
+        lines.append(f"| {c['describe']} | {c['seconds']:.2f} | {_tiers(c)} | {result.replace('|', '/')} |")
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n\n")

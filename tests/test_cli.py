@@ -1,0 +1,166 @@
+"""The CLI as a new user meets it (issue 19): up-front checks, progress, hints that match the cause, usage errors as
+``error:``/``hint:`` with exit 1. Real builds and verifies on CPU; each test fails without its fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import SMOKE
+
+from kernelpack.cli import main
+from kernelpack.errors import KernelpackError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def kp(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    import os
+
+    cmd = [sys.executable, "-m", "kernelpack.cli", *args]
+    env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def one_config_recipe(tmp_path: Path, extra: str = "") -> Path:
+    recipe = tmp_path / "one.toml"
+    recipe.write_text(
+        'name = "one"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [32]\n'
+        f"[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n{extra}"
+    )
+    return recipe
+
+
+def test_a_cuda_recipe_without_cuda_fails_up_front(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    start = time.perf_counter()
+    proc = kp("build", str(ROOT / "recipes/dflash-drafter.toml"), "-o", str(tmp_path / "out"))
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 1 and seconds < 5, (seconds, proc.stderr)
+    assert "is for CUDA, but torch" in proc.stderr and "hint: build CUDA recipes on a GPU machine" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.splitlines()) == 2, proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unwritable_output_and_an_unimportable_factory_fail_before_any_compile(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    start = time.perf_counter()
+    proc = kp("build", str(SMOKE), "-o", str(blocker / "out"))
+    assert proc.returncode == 1 and time.perf_counter() - start < 5, proc.stderr
+    assert f"cannot write the artifact in {blocker / 'out'}" in proc.stderr and "is not a directory" in proc.stderr
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        'name = "r"\ndevice = "cpu"\nmask = "no_such_module_kp:factory"\nwindows = [32, 64, 96]\n'
+        "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n"
+    )
+    start = time.perf_counter()
+    proc = kp("build", str(recipe), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 1 and time.perf_counter() - start < 5, proc.stderr
+    # once, not once per config, and before any worker ran
+    assert proc.stderr.count("cannot import module 'no_such_module_kp'") == 1, proc.stderr
+    assert "building" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_build_progress_as_json_lines_and_a_timeout_that_says_so(tmp_path: Path) -> None:
+    proc = kp("build", str(one_config_recipe(tmp_path)), "-o", str(tmp_path / "out"), "--progress", "jsonl")
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events] == ["start", "config_started", "config_done"], proc.stderr
+    assert events[0]["total"] == 1 and events[0]["jobs"] == 1
+    assert events[2]["ok"] is True and events[2]["seconds"] > 0 and events[2]["eta"] == 0
+    assert "wrote " in proc.stdout
+    # a worker stopped by --timeout: its FAIL line shows how long it ran, and the hint names --timeout, not
+    # --keep-going (nothing built, so --keep-going would ship nothing)
+    proc = kp("build", str(one_config_recipe(tmp_path)), "-o", str(tmp_path / "t"), "--timeout", "2", "--keep-going")
+    assert proc.returncode == 1, proc.stderr
+    fail = next(line for line in proc.stderr.splitlines() if "FAIL" in line)
+    assert float(fail.split("FAIL", 1)[1].split("s", 1)[0]) >= 2.0, fail
+    hint = next(line for line in proc.stderr.splitlines() if line.startswith("hint:"))
+    assert "raise --timeout (now 2 s per config)" in hint and "pass --keep-going" not in hint, hint
+
+
+def test_quiet_build_prints_only_the_result(tmp_path: Path) -> None:
+    proc = kp("build", str(one_config_recipe(tmp_path)), "-o", str(tmp_path / "out"), "--quiet")
+    assert proc.returncode == 0 and proc.stderr.strip() == "", proc.stderr
+    assert proc.stdout.startswith("wrote ")
+
+
+def test_verify_progress_check_and_the_github_step_summary(smoke_artifact: Path, tmp_path: Path) -> None:
+    summary = tmp_path / "summary.md"
+    proc = kp(
+        "verify", str(smoke_artifact), "--check", "--progress", "plain", env={"GITHUB_STEP_SUMMARY": str(summary)}
+    )
+    assert proc.returncode == 0, proc.stderr
+    done = [line for line in proc.stderr.splitlines() if line.startswith("[")]
+    assert len(done) == 2 and all(" ok " in line for line in done), proc.stderr
+    # --check shows the reference errors it computed, per config and graph
+    assert "reference check" in proc.stdout and proc.stdout.count("fwd:out") == 2, proc.stdout
+    table = summary.read_text()
+    assert "### kernelpack verify" in table and table.count("| ok |") == 2, table
+    proc = kp("verify", str(smoke_artifact), "--progress", "jsonl")
+    events = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events] == ["start", "config_done", "config_done"], proc.stderr
+
+
+def test_the_eta_accounts_for_parallel_jobs() -> None:
+    from kernelpack._render import Eta
+
+    serial, parallel = Eta(5, 1), Eta(5, 4)
+    for eta in (serial, parallel):
+        eta.durations = [10.0]  # one config finished in 10 s, none running, 4 queued
+    assert serial.left() == 40.0 and parallel.left() == 10.0
+
+
+def test_the_live_display_ends_when_the_last_config_is_done(smoke_artifact: Path) -> None:
+    """The live table's refresh thread and the callbacks share a lock: stopping the display under it hung."""
+    import threading
+
+    from kernelpack import artifact as art
+    from kernelpack._render import BuildLive
+    from kernelpack.build import ConfigOutcome
+
+    configs = [c.config for c in art.read_manifest(smoke_artifact).configs]
+    live = BuildLive()
+    live.start(len(configs), 2)
+
+    def run() -> None:
+        for c in configs:
+            live.config_started(c, 0)
+        time.sleep(0.6)  # a refresh or two
+        for c in configs:
+            live.config_done(ConfigOutcome(c, True, 0, seconds=1.0))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the live display deadlocked"
+    assert live.live is None
+
+
+def test_usage_errors_are_error_and_hint_with_exit_1(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["build", str(SMOKE), "--jobs", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: Invalid value for '-j' / '--jobs'") and "hint: see kernelpack build --help" in err
+    assert main(["verify", "a.kpack", "a.shard-1-of-2.kpack"]) == 1  # what a too-wide glob expands to
+    err = capsys.readouterr().err
+    assert "error: Got unexpected extra argument" in err and "shell glob" in err, err
+    assert main(["bulid"]) == 1
+    assert "error: No such command 'bulid'" in capsys.readouterr().err
+    # -v after the command is the group's -v (the hints say `kernelpack verify -v`): verbose mode raises the error
+    # with its traceback instead of a usage error
+    with pytest.raises(KernelpackError, match=r"missing\.kpack"):
+        main(["verify", "-v", str(tmp_path / "missing.kpack")])
+
+
+def test_a_missing_recipe_file_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["build", str(tmp_path / "nope.toml")]) == 1
+    err = capsys.readouterr().err
+    assert "recipe file not found" in err and f"hint: check the path: no file {tmp_path / 'nope.toml'}" in err, err
