@@ -7,6 +7,7 @@ so callers can catch them the usual way.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,12 +72,26 @@ class RecipeError(KernelpackError, ValueError):
         value: object = None,
         allowed: Sequence[object] | str | None = None,
         hint: str | None = None,
+        typo: str | None = None,
     ) -> None:
+        """``typo``: the word to match against ``allowed`` for a "did you mean" (an unknown key's name); by default
+        ``value`` when it is a string."""
         self.path, self.key, self.value, self.allowed = path, key, value, allowed
+        guess = did_you_mean(typo if typo is not None else value, allowed)
         super().__init__(
             f"{path}: {key}: {_describe_problem(message, value, allowed)}",
-            hint=hint or "fix the recipe; the README's 'Recipe format' section lists every key",
+            hint=(f"did you mean {guess!r}? " if guess else "")
+            + (hint or "fix the recipe; the README's 'Recipe format' section lists every key"),
         )
+
+
+def did_you_mean(word: object, allowed: Sequence[object] | str | None) -> str | None:
+    """The allowed string closest to a mistyped ``word`` (difflib's ratio of at least 0.6), or None."""
+    if not isinstance(word, str) or not word or allowed is None or isinstance(allowed, str):
+        return None
+    choices = [a for a in allowed if isinstance(a, str) and a != word]
+    matches = difflib.get_close_matches(word, choices, n=1)
+    return matches[0] if matches else None
 
 
 class ConfigError(KernelpackError, ValueError):

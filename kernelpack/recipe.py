@@ -714,7 +714,7 @@ def _function_or_name(path: str, key: str, value: object) -> tuple[Any, str | No
         return value, None
     unknown = sorted(set(value) - set(_REF_KEYS))
     if unknown:
-        raise RecipeError(path, f"{key}.{unknown[0]}", "unknown key", allowed=_REF_KEYS)
+        raise RecipeError(path, f"{key}.{unknown[0]}", "unknown key", allowed=_REF_KEYS, typo=unknown[0])
     function = _str(path, f"{key}.function", value.get("function"), required=True)
     for part in ("closure", "kwdefaults"):
         _table(path, f"{key}.{part}", value.get(part, {}))
@@ -930,7 +930,7 @@ def _is_import_path(s: str, *, nested: bool = False) -> bool:
 def _no_unknown(path: str, prefix: str, table: dict[str, Any], allowed: tuple[str, ...]) -> None:
     for key in table:
         if key not in allowed:
-            raise RecipeError(path, prefix + key, "unknown key", allowed=allowed)
+            raise RecipeError(path, prefix + key, "unknown key", allowed=allowed, typo=key)
 
 
 def _required(path: str, key: str, value: object) -> object:

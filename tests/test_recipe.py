@@ -210,3 +210,39 @@ def test_new_call_keys_enter_the_id_only_when_set() -> None:
         assert parse_recipe(base(call={key: value})).configs[0].id != plain.id, key
     one = parse_recipe(base(call={"mask_dims": "per-batch+per-head"}, **{"matrix.batch": 1})).configs[0]
     assert one.mask_dims == "per-head"
+
+
+@pytest.mark.parametrize(
+    ("over", "key", "guess"),
+    [
+        ({"matrix.seq_lne": 128, "matrix.seq_len": None}, "matrix.seq_lne", "seq_len"),
+        ({"descripton": "d"}, "descripton", "description"),
+        ({"call": {"layuot": "bshd"}}, "call.layuot", "layout"),
+        ({"matrix.dtypes": ["bfloat61"]}, "matrix.dtypes", "bfloat16"),
+        ({"matrix.graphs": ["fwd+bdw"], "matrix.backward": None}, "matrix.graphs", "fwd+bwd"),
+        ({"mask": "sliding_windw"}, "mask", "sliding_window"),
+        ({"call": {"layout": "bshdd"}}, "call.layout", "bshd"),
+    ],
+)
+def test_typos_get_did_you_mean(over: dict, key: str, guess: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(base(**over))
+    assert f": {key}: " in e.value.message
+    assert e.value.hint is not None and f"did you mean {guess!r}?" in e.value.hint
+
+
+def test_cli_recipe_typo_says_did_you_mean(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kernelpack.cli import main
+
+    bad = tmp_path / "r.toml"
+    bad.write_text(
+        'name = "x"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [64]\n'
+        "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_lne = 128\ndtypes = ['float32']\n"
+    )
+    assert main(["build", str(bad), "-o", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and "matrix.seq_lne" in err and "hint: did you mean 'seq_len'?" in err
+    # no guess when nothing is close
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(base(**{"matrix.zzzzzz": 1}))
+    assert e.value.hint is not None and "did you mean" not in e.value.hint
