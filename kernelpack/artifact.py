@@ -746,14 +746,14 @@ def _check_name(path: str, rel: str) -> None:
 
 
 @contextlib.contextmanager
-def _wrap_errors(path: str) -> Iterator[None]:
-    """Turn the decoder's and tarfile's exceptions into an ArtifactError naming the file."""
+def _wrap_errors(path: str, member: str | None = None) -> Iterator[None]:
+    """Turn the decoder's and tarfile's exceptions into an ArtifactError naming the file (and the member read)."""
     import zstandard
 
     try:
         yield
     except (zstandard.ZstdError, tarfile.TarError, EOFError) as e:
-        raise ArtifactError(path, f"corrupt or truncated artifact: {type(e).__name__}: {e}") from e
+        raise ArtifactError(path, f"corrupt or truncated artifact: {type(e).__name__}: {e}", member=member) from e
 
 
 # Room for tar headers: 512-byte blocks, pax records for long names, padding and the end-of-archive blocks.
@@ -834,7 +834,7 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
                 consumed: list[bool] = consumed,
             ) -> None:
                 h, n = hashlib.sha256(), 0
-                with _wrap_errors(path):
+                with _wrap_errors(path, name):
                     while chunk := src.read(_CHUNK):
                         n += len(chunk)
                         if n > entry.size:
@@ -856,6 +856,30 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             raise ArtifactError(
                 path, f"{len(missing)} file(s) of manifest.json missing (truncated?)", member=sorted(missing)[0]
             )
+
+
+@dataclass(frozen=True, slots=True)
+class MemberCheck:
+    """What :func:`check_members` verified: every file the manifest lists (hard links included), their bytes."""
+
+    manifest: Manifest
+    members: int
+    size: int  # expanded bytes
+
+
+def check_members(path: str | Path) -> MemberCheck:
+    """Read the whole artifact and check every member against its manifest, writing nothing: each listed file
+    present once, with its size and sha256, no member that is not listed, and a stream that is neither truncated nor
+    corrupt (tarfile reads whole 10 KiB records, so the tar's end and zstd's frame checksum are read too). The same
+    checks as an install (:func:`iter_members`), without a target and without torch: ``kernelpack inspect --verify``.
+
+    Raises :class:`ArtifactError` naming the first bad member."""
+    manifest = read_manifest(path)
+    with open(os.devnull, "wb") as sink:
+        for member in iter_members(path, manifest):
+            if member.link_to is None:
+                member.write(sink)
+    return MemberCheck(manifest, len(manifest.files), manifest.total_size)
 
 
 def unpack(path: str | Path, dest: Path) -> Manifest:

@@ -194,11 +194,15 @@ def _warn_not_precompiled(m: Manifest) -> None:
 @commands.command(name="inspect")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
-def inspect_cmd(artifact: str, as_json: bool) -> None:
+@click.option(
+    "--verify", "check", is_flag=True, help="Also read every member and check its size and sha256 (no torch)."
+)
+def inspect_cmd(artifact: str, as_json: bool, check: bool) -> None:
     """Show an artifact's manifest without extracting it (does not import torch)."""
-    from .artifact import FORMAT_VERSION, read_manifest
+    from .artifact import FORMAT_VERSION, check_members, read_manifest
 
-    m = read_manifest(artifact)
+    checked = check_members(artifact) if check else None  # raises naming the first bad member: nothing printed
+    m = checked.manifest if checked is not None else read_manifest(artifact)
     if as_json:
         click.echo(json.dumps(m.to_dict(), indent=1, sort_keys=True))
         return
@@ -210,15 +214,22 @@ def inspect_cmd(artifact: str, as_json: bool) -> None:
     _echo("build key:")
     for k, v in m.build_key.to_dict().items():
         _echo(f"  {k:14} {v}")
-    _echo(f"devices: {list(m.devices)}")
+    # a CPU build has one device, whose index (always 0) means nothing to the user: the JSON keeps it
+    cpu = m.build_key.device_type == "cpu"
+    _echo(f"devices: {'cpu' if cpu else list(m.devices)}")
     _echo(f"configs ({len(m.configs)}):")
     for c in m.configs:
         tier2 = f"{len(c.precompiled)}/{len(c.config.graphs) * len(c.devices)}"
-        _echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s  devices {list(c.devices)}  tier 2 {tier2}")
+        devices = "" if cpu else f"  devices {list(c.devices)}"
+        _echo(f"  {c.config.describe()}  compile {c.compile_seconds:.1f}s{devices}  tier 2 {tier2}")
         if c.not_precompiled:
             _echo(f"    not precompiled: {c.not_precompiled}")
     for f in m.failed:
-        _echo(f"  FAILED {f.config.id} (device {f.device}): {f.error}")
+        _echo(f"  FAILED {f.config.id}" + ("" if cpu else f" (device {f.device})") + f": {f.error}")
+    if checked is not None:
+        click.echo(f"verified {checked.members} members ({_size(checked.size)}) against the manifest")
+    else:
+        click.echo("read the manifest only; `kernelpack inspect --verify` checks every member's hash")
 
 
 @commands.command(name="install")
