@@ -332,7 +332,9 @@ def push_cmd(artifact: str, registry: str, force: bool, storage_options: tuple[s
     """Publish ARTIFACT to REGISTRY (payload first, entry and index last)."""
     from .store import Registry
 
-    entry, status = Registry(registry, _storage_options(storage_options)).push(artifact, force=force)
+    entry, status, created = Registry(registry, _storage_options(storage_options)).push(artifact, force=force)
+    if created:
+        _echo(f"created new registry {registry}")
     click.echo(f"{status}: {registry.rstrip('/')}/{entry.path} (sha256 {entry.sha256[:16]}…, {_size(entry.size)})")
 
 

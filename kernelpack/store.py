@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import _fs, _lock, settings
 from . import artifact as art
@@ -111,6 +111,12 @@ _MAX_PAYLOAD = 1 << 40  # bytes of one artifact
 _MAX_CREATED = 1 << 34  # seconds since the epoch (the year 2514)
 _MAX_ENTRY_BYTES = 1 << 20  # one entry's JSON
 _MAX_INDEX_BYTES = 64 << 20
+
+
+class PushResult(NamedTuple):
+    entry: Entry
+    status: str  # "pushed" | "unchanged" | "replaced" | "repaired"
+    created_registry: bool  # this push made a new registry (there was no index): a mistyped path shows here
 
 
 def safe_component(value: object) -> bool:
@@ -258,8 +264,9 @@ class Registry:
 
     # ------------------------------------------------------------------------------------------------ writing
 
-    def push(self, artifact: str | os.PathLike[str], *, force: bool = False) -> tuple[Entry, str]:
-        """Publish ``artifact``. Returns (entry, "pushed" | "unchanged" | "replaced")."""
+    def push(self, artifact: str | os.PathLike[str], *, force: bool = False) -> PushResult:
+        """Publish ``artifact``. Returns (entry, "pushed" | "unchanged" | "replaced" | "repaired", whether the
+        registry was created by this push)."""
         if self.read_only:
             raise RegistryError(
                 self.url,
@@ -268,7 +275,7 @@ class Registry:
             )
         path = str(artifact)
         manifest = art.read_manifest(path)  # a bad artifact is refused before the registry is touched
-        self._ensure_root()
+        created = self._ensure_root()
         name = os.path.basename(path)
         entry = Entry(
             recipe=manifest.recipe_name,
@@ -292,7 +299,7 @@ class Registry:
                     old = None  # a damaged entry: this push rewrites it
                 if old is not None and old.sha256 == entry.sha256:
                     if self._payload_intact(entry) and not force:
-                        return old, "unchanged"
+                        return PushResult(old, "unchanged", created)
                     status = "repaired"  # the payload is missing or cut short (or --force: maybe corrupt): upload it
                 elif old is not None and not force:
                     raise RegistryError(
@@ -310,7 +317,7 @@ class Registry:
                 self._put(path, self._p(entry.path))
                 self._pipe(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
             self._write_index()
-        return entry, status
+        return PushResult(entry, status, created)
 
     @contextlib.contextmanager
     def _entry_lock(self, entry: Entry) -> Iterator[None]:
@@ -361,13 +368,23 @@ class Registry:
             return
         self.fs.pipe_file(dest, data)
 
-    def _ensure_root(self) -> None:
-        """A local or in-memory registry is created on first push; a missing bucket is an error, never created."""
+    def _ensure_root(self) -> bool:
+        """A local or in-memory registry is created on first push; a missing bucket is an error, never created, and
+        so is a local directory whose parent is missing (a mistyped path must not become a registry no one pulls
+        from). Returns whether there is no registry here yet (no index)."""
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         with self._errors("checking the registry"):
             if protocol in ("file", "local", "memory"):
+                new = not self.fs.exists(self._p(INDEX))
+                parent = Path(self.root).parent
+                if protocol != "memory" and not parent.is_dir():
+                    raise RegistryError(
+                        self.url,
+                        f"the parent directory {parent} does not exist; refusing to create a registry there",
+                        hint=f"create {parent} first if the path is right, or check the path for a typo",
+                    )
                 self.fs.makedirs(self.root, exist_ok=True)
-                return
+                return new
             bucket = self.root.split("/", 1)[0]
             if not self.fs.exists(bucket):
                 raise RegistryError(
@@ -375,6 +392,7 @@ class Registry:
                     f"bucket {bucket!r} does not exist",
                     hint="create the bucket first (kernelpack never creates buckets) or fix the URL",
                 )
+            return not self.fs.exists(self._p(INDEX))
 
     def _write_index(self) -> None:
         """Rewrite the index from the entries present. On a local directory under a file lock and atomically: a

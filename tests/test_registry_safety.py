@@ -301,7 +301,7 @@ def test_a_payload_longer_than_published_is_cut_off(smoke_artifact: Path, tmp_pa
 
 def test_push_repairs_an_entry_whose_payload_is_gone(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
-    entry, status = reg.push(smoke_artifact)
+    entry, status, _ = reg.push(smoke_artifact)
     assert status == "pushed"
     (tmp_path / "reg" / entry.path).unlink()
     assert reg.push(smoke_artifact)[1] == "repaired"
@@ -377,7 +377,7 @@ def test_terminal_escapes_in_a_manifest_are_shown_escaped(
 
 def test_entry_paths_are_the_ones_push_writes(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
-    entry, _ = reg.push(smoke_artifact)
+    entry = reg.push(smoke_artifact).entry
     assert entry.path == f"{entry.recipe}/{key_id(entry.key)}/{entry.name}"
     assert Entry.from_dict(dataclasses.asdict(entry)) == entry
 
@@ -439,7 +439,7 @@ def test_what_a_manifest_may_list_is_bounded(smoke_artifact: Path, tmp_path: Pat
 
 def test_push_force_repairs_a_corrupt_payload_of_the_right_size(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
-    entry, _ = reg.push(smoke_artifact)
+    entry = reg.push(smoke_artifact).entry
     payload = tmp_path / "reg" / entry.path
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 1

@@ -92,7 +92,7 @@ def http_registry(tmp_path: Path, smoke_artifact: Path) -> Iterator[tuple[str, C
 
 def test_local_push_is_idempotent_and_refuses_overwrite(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
-    entry, status = reg.push(smoke_artifact)
+    entry, status, _ = reg.push(smoke_artifact)
     assert status == "pushed" and entry.sha256 == art.sha256_file(smoke_artifact)
     assert (tmp_path / "reg" / entry.path).read_bytes() == smoke_artifact.read_bytes()
     assert reg.push(smoke_artifact)[1] == "unchanged"
