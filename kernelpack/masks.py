@@ -212,7 +212,8 @@ def eager_block_mask(
 
     torch's eager path evaluates the mask_mod over the whole [B, H, Q, KV] grid at once: at 16k x 16k a single
     int64 intermediate is 2 GiB. Its compiled path (``_compile=True``, what transformers uses) traces with FX during
-    training (the process-global tracing flag: the seeds' race) and its graphs are one more thing to ship. This
+    training (torch.fx's process-global tracing flag, which another thread's compiled call trips over: see
+    :mod:`kernelpack.compiled` and the README's "Runtime guard" section) and its graphs are one more thing to ship. This
     evaluates the mask_mod over whole query blocks at a time, at most ``max_elements`` (default
     KERNELPACK_MASK_CHUNK_ELEMENTS, 2**24) grid points per chunk, reduces each chunk to its block table with torch's
     own ``_convert_mask_to_block_mask`` and builds the BlockMask with torch's ``_create_sparse_block_from_block_mask``,
