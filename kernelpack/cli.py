@@ -499,6 +499,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _hoist_verbose(list(argv) if argv is not None else sys.argv[1:])
     verbose = settings.debug() or args[:1] == ["-v"] or args[:1] == ["--verbose"]
     warnings.showwarning = _show_warning
+    # torch's import warns "Failed to initialize NumPy" when numpy is not installed; kernelpack never hands torch a
+    # numpy array (numpy is not a dependency), so for a CLI user it is only noise. Set before any command imports torch.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
         commands.main(args=args, prog_name="kernelpack", standalone_mode=False)
     except click.UsageError as e:  # documented as error:/hint: and exit 1, like every other error
