@@ -875,10 +875,14 @@ def check_members(path: str | Path) -> MemberCheck:
 
     Raises :class:`ArtifactError` naming the first bad member."""
     manifest = read_manifest(path)
-    with open(os.devnull, "wb") as sink:
-        for member in iter_members(path, manifest):
-            if member.link_to is None:
-                member.write(sink)
+    try:
+        with open(os.devnull, "wb") as sink:
+            for member in iter_members(path, manifest):
+                if member.link_to is None:
+                    member.write(sink)
+    except ArtifactError as e:
+        e.hint = "the artifact is damaged (install would refuse it): download, copy or rebuild it again"
+        raise
     return MemberCheck(manifest, len(manifest.files), manifest.total_size)
 
 

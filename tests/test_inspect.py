@@ -49,6 +49,7 @@ def test_verify_refuses_a_damaged_artifact(tmp_path: Path, how: str, capsys: pyt
     err = captured.err
     assert err.startswith(f"error: {bad}: ") and "(member 'cache/" in err and "\nhint: " in err
     assert "truncated" in err if how == "half" else "corrupt" in err
+    assert "hint: the artifact is damaged" in err and "target cache" not in err  # nothing was installed anywhere
     assert "Traceback" not in err
 
 
