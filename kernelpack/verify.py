@@ -59,7 +59,9 @@ def verify_artifact(
     config is also called at both ends of its ranges and at ``lengths`` random lengths in them (not multiples of 128),
     in the same fresh process: none of these calls may trace or compile."""
     path = str(artifact)
-    art.read_manifest(path)  # fail fast, before starting torch, on a missing or corrupt file
+    # fail fast, before starting torch, on a missing, truncated or corrupt file: with the artifact's own error and
+    # hint, instead of the fresh process's failure ("rebuild with this torch build")
+    art.check_members(path)
     seed = random.randrange(2**31) if seed is None else seed
     with tempfile.TemporaryDirectory(prefix="kernelpack-verify-") as tmp:
         # In-process compilation, so that Triton's listener and the C++ wrapper see every compile.

@@ -164,3 +164,14 @@ def test_a_missing_recipe_file_says_so(capsys: pytest.CaptureFixture[str], tmp_p
     assert main(["build", str(tmp_path / "nope.toml")]) == 1
     err = capsys.readouterr().err
     assert "recipe file not found" in err and f"hint: check the path: no file {tmp_path / 'nope.toml'}" in err, err
+
+
+def test_verify_of_a_damaged_artifact_says_so_once(smoke_artifact: Path, tmp_path: Path) -> None:
+    half = tmp_path / "half.kpack"
+    half.write_bytes(smoke_artifact.read_bytes()[: smoke_artifact.stat().st_size // 2])
+    start = time.perf_counter()
+    proc = kp("verify", str(half))
+    assert proc.returncode == 1 and time.perf_counter() - start < 10, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), proc.stderr
+    assert proc.stderr.count(str(half)) == 1 and "truncated" in lines[0] and "this torch build" not in lines[1]

@@ -94,3 +94,32 @@ def test_every_api_the_readme_names_exists() -> None:
     assert missing == []
     with pytest.raises((AttributeError, ImportError)):
         resolve("kernelpack.install.rank_cache_dir")
+
+
+def test_the_cli_reference_matches_the_commands() -> None:
+    """The README's CLI table names every option of every command, and only those; an option that is not required
+    (it has a default) is shown in brackets. The table is checked against click's commands, not copied from them."""
+    import click
+
+    from kernelpack.cli import commands
+
+    text = README.read_text()
+    rows = {}
+    for line in text[text.index("## CLI reference") :].splitlines():
+        if line.startswith("| `kernelpack "):
+            synopsis = line.split("`")[1]
+            rows[synopsis.split()[1]] = synopsis
+    assert sorted(rows) == sorted(commands.commands), "one row per command"
+    for name, command in commands.commands.items():
+        synopsis = rows[name]
+        options = [p for p in command.params if isinstance(p, click.Option) and p.name != "help"]
+        known = {o for p in options for o in p.opts}
+        for token in synopsis.replace("[", " ").replace("]", " ").replace("|", " ").split():
+            if token.startswith("-") and token != "--":
+                assert token in known, f"`kernelpack {name}`: the README names {token}, which it does not take"
+        for p in options:
+            shown = [o for o in p.opts if f"{o} " in synopsis + " " or f"{o}]" in synopsis]
+            assert shown, f"`kernelpack {name}`: the README does not show {max(p.opts, key=len)}"
+            at = synopsis.index(shown[0])
+            bracketed = synopsis[:at].count("[") > synopsis[:at].count("]")
+            assert bracketed == (not p.required), f"`kernelpack {name}` {shown[0]}: bracketed={bracketed}"
