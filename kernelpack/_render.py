@@ -105,6 +105,10 @@ class BuildLines(_BuildBase):
     def _start(self, total: int, jobs: int) -> None:
         click.echo(f"building {total} config(s), {jobs} at a time", err=True)
 
+    def _config_started(self, config: Config, device_index: int) -> None:  # a log shows what is compiling now
+        device = f" on cuda:{device_index}" if config.device == "cuda" else ""
+        click.echo(f"started {config.describe()}{device}", err=True)
+
     def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None:
         total = self.eta.total
         click.echo(
@@ -165,7 +169,9 @@ class BuildLive(_BuildBase):
             table.add_column("state")
             table.add_column("time", justify="right")
             table.add_column("config")
-            for describe, state, t in self.rows.values():
+            # running first, then failures, then the finished: a table taller than the terminal loses its bottom
+            order = {"running": 0, "FAIL": 1, "ok": 2}
+            for describe, state, t in sorted(self.rows.values(), key=lambda r: order.get(r[1], 3)):
                 seconds = now - t if state == "running" else t
                 style = {"ok": "green", "FAIL": "bold red", "running": "yellow"}.get(state, "dim")
                 table.add_row(f"[{style}]{state}[/]", "" if state == "queued" else f"{seconds:.1f}s", describe)

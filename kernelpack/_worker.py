@@ -101,18 +101,21 @@ def run(
     with open(log_file, "wb") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         rc: int | None = None
-        while True:
-            try:
-                rc = proc.wait(timeout=0.25 if on_event else max(0.0, timeout - (time.perf_counter() - start)))
-                break
-            except subprocess.TimeoutExpired:
-                deliver()
-                if time.perf_counter() - start >= timeout:
-                    proc.kill()
-                    proc.wait()
-                    rc = None
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=0.25 if on_event else max(0.0, timeout - (time.perf_counter() - start)))
                     break
-        deliver()
+                except subprocess.TimeoutExpired:
+                    deliver()
+                    if time.perf_counter() - start >= timeout:
+                        rc = None
+                        break
+            deliver()
+        finally:  # a timeout, or whatever stopped this thread (a callback's error, ^C): never leave the worker running
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     seconds = time.perf_counter() - start
     try:
         data = json.loads(result_file.read_text())

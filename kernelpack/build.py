@@ -9,6 +9,7 @@ device (compilation is CPU-bound). The per-config caches are merged into one art
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -146,11 +147,20 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
     from . import masks
 
     seen: set[str] = set()
-    for c in configs:
-        for kind, what, spec in (("mask", "mask", c.mask), ("score", "score_mod", c.score_mod)):
-            if ":" in spec and spec not in seen and c.reference(kind) is None:  # type: ignore[arg-type]
-                seen.add(spec)
-                masks.load_factory(spec, what)
+    # the workers run as `python -m`, with the working directory on sys.path; the `kernelpack` script has not: a
+    # factory module beside the recipe imports there, so it must here
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        for c in configs:
+            for kind, what, spec in (("mask", "mask", c.mask), ("score", "score_mod", c.score_mod)):
+                if ":" in spec and spec not in seen and c.reference(kind) is None:  # type: ignore[arg-type]
+                    seen.add(spec)
+                    masks.load_factory(spec, what)
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -275,6 +275,8 @@ def verify_cmd(
     except VerifyError as e:
         if summary and e.data:
             step_summary(summary, e.data, artifact)
+        if as_json and e.data:  # the counters of a failed verify are what the user needs
+            click.echo(json.dumps(e.data, indent=1))
         raise
     finally:
         shown.close()
@@ -505,6 +507,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         commands.main(args=args, prog_name="kernelpack", standalone_mode=False)
     except click.UsageError as e:  # documented as error:/hint: and exit 1, like every other error
+        if type(e).__name__ == "NoArgsIsHelpError":  # click >= 8.2 raises it for a bare `kernelpack`: just help
+            click.echo(e.ctx.get_help() if e.ctx is not None else "")
+            return 0
         click.echo(f"error: {printable(e.format_message())}", err=True)
         click.echo(f"hint: {printable(_usage_hint(e))}", err=True)
         return 1

@@ -164,7 +164,8 @@ class VerifyError(KernelpackError, RuntimeError):
         self.data = data  # the report, when the fresh process ran to its end
         super().__init__(
             message,
-            hint="rebuild the artifact with this torch build; kernelpack verify -v shows the per-config counters",
+            hint="rebuild the artifact with this torch build; kernelpack verify --json ARTIFACT prints every "
+            "config's counters",
         )
 
 
