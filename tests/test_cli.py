@@ -157,6 +157,8 @@ def test_usage_errors_are_error_and_hint_with_exit_1(capsys: pytest.CaptureFixtu
     assert "error: Got unexpected extra argument" in err and "shell glob" in err, err
     assert main(["bulid"]) == 1
     assert "error: No such command 'bulid'" in capsys.readouterr().err
+    assert main([]) == 0  # a bare `kernelpack` is a request for help, not an error
+    assert "Usage: kernelpack" in capsys.readouterr().out
     # -v after the command is the group's -v (the hints say `kernelpack verify -v`): verbose mode raises the error
     # with its traceback instead of a usage error
     with pytest.raises(KernelpackError, match=r"missing\.kpack"):

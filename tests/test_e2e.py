@@ -112,7 +112,14 @@ def test_verify_fails_naming_the_config_when_its_entries_are_missing(
     assert all(c["id"] in msg for c in m["configs"])
     assert "FX-graph cache misses" in msg and "C++ kernels compiled" in msg
     assert main(["verify", str(broken)]) == 1
-    assert "error: " in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: " in err and "kernelpack verify --json" in err
+    # where the hint points: the failed report, every config's counters (issue 19)
+    assert main(["verify", "--json", str(broken)]) == 1
+    out = capsys.readouterr().out
+    data = json.loads(out)
+    assert {c["id"] for c in data["configs"]} == {c["id"] for c in m["configs"]}
+    assert all(c["reasons"] and c["counters"]["inductor.fxgraph_cache_miss"] for c in data["configs"])
 
 
 USER_MASKS = """
