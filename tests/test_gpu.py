@@ -27,6 +27,20 @@ def gpu_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return result.artifact
 
 
+def test_devices_that_are_not_visible_are_refused_up_front(tmp_path: Path) -> None:
+    """Issue 19: --devices is checked against the visible GPUs before any worker starts."""
+    import time
+
+    import torch
+
+    from kernelpack.cli import main
+
+    missing = torch.cuda.device_count()
+    start = time.perf_counter()
+    assert main(["build", str(RECIPE), "-o", str(tmp_path / "out"), "--devices", f"0,{missing}"]) == 1
+    assert time.perf_counter() - start < 10 and not (tmp_path / "out").exists()
+
+
 def test_build_records_gpu_key_and_reference_errors(gpu_artifact: Path) -> None:
     import torch
 
