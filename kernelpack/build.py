@@ -147,11 +147,11 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
     from . import masks
 
     seen: set[str] = set()
-    # the workers run as `python -m`, with the working directory on sys.path; the `kernelpack` script has not: a
-    # factory module beside the recipe imports there, so it must here
-    added = os.getcwd() not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
+    # Import from where the workers will: they are `python -m` processes started now, so the working directory and
+    # the PYTHONPATH of this moment (a caller may have set it after start) come first on their sys.path; the
+    # `kernelpack` script's sys.path has neither
+    added = [p for p in [os.getcwd(), *settings.pythonpath()] if p not in sys.path]
+    sys.path[:0] = added
     try:
         for c in configs:
             for kind, what, spec in (("mask", "mask", c.mask), ("score", "score_mod", c.score_mod)):
@@ -159,8 +159,8 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
                     seen.add(spec)
                     masks.load_factory(spec, what)
     finally:
-        if added:
-            sys.path.remove(os.getcwd())
+        for p in added:
+            sys.path.remove(p)
 
 
 def _check_out_dir(out_dir: Path) -> None:

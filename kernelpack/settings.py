@@ -18,8 +18,8 @@ A bad value is a :class:`SettingError` naming the variable, its value and what i
 
 and the variables of others that kernelpack honours: ``LOCAL_RANK`` (torchrun), ``SOURCE_DATE_EPOCH``
 (reproducible builds), ``XDG_CACHE_HOME``, ``CUDA_VISIBLE_DEVICES``, ``TORCHINDUCTOR_CACHE_DIR`` and
-``TRITON_CACHE_DIR`` (torch's own), ``GITHUB_STEP_SUMMARY`` (GitHub Actions: ``verify`` appends its
-table). Only :mod:`kernelpack.runtime` *sets* variables (at job start).
+``TRITON_CACHE_DIR`` (torch's own), ``PYTHONPATH`` (as build's workers will see it), ``GITHUB_STEP_SUMMARY``
+(GitHub Actions: ``verify`` appends its table). Only :mod:`kernelpack.runtime` *sets* variables (at job start).
 """
 
 from __future__ import annotations
@@ -201,3 +201,9 @@ def worker_events() -> str | None:
 def github_step_summary() -> str | None:
     """GitHub Actions' job summary file, where ``kernelpack verify`` appends its per-config table."""
     return _get("GITHUB_STEP_SUMMARY")
+
+
+def pythonpath() -> list[str]:
+    """``PYTHONPATH`` as it is now (a job may set it after start): the entries build's workers will import from."""
+    value = _get("PYTHONPATH")
+    return [] if value is None else [p for p in value.split(os.pathsep) if p]
