@@ -340,7 +340,8 @@ def test_shards_merge_into_one_artifact_that_verifies(
 def test_bad_shard_and_storage_options(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["build", str(SMOKE), "--shard", "3/2"]) == 1
     assert "bad shard 3/2" in capsys.readouterr().err
-    assert main(["ls", str(tmp_path), "--storage-option", "novalue"]) == 2
+    assert main(["ls", str(tmp_path), "--storage-option", "novalue"]) == 1  # usage: error:/hint:, exit 1
+    assert "error: Invalid value for --storage-option: 'novalue' is not key=value" in capsys.readouterr().err
 
 
 def test_entry_round_trip() -> None:
