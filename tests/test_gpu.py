@@ -141,6 +141,112 @@ def test_multi_device_build_covers_every_index(tmp_path: Path) -> None:
     report = verify(result.artifact)
     assert len(report.data["configs"]) == len(devices) * len(m["configs"])
     assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["triton_compiled"] == 0
+    # tier 2 per device index (issue 20): a function per (config, graph, index), each proven by verify
+    graphs = sum(len(c["params"]["graphs"]) for c in m["configs"])
+    assert report.data["precompiled"] == graphs * len(devices), report.data["configs"]
+
+
+THREADS_OVER_GPUS_JOB = """
+import json, sys, threading, torch
+from torch._dynamo.utils import counters
+import kernelpack
+from kernelpack import runtime
+from kernelpack.artifact import read_manifest
+from kernelpack.canonical import call, grad_output, make_inputs
+from kernelpack.masks import block_mask_for
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+frames = counters["frames"]["ok"]
+errors = []
+def drafter(index):
+    try:
+        device = f"cuda:{index}"
+        for built in read_manifest(sys.argv[1]).configs:
+            c = built.config
+            for graph in c.graphs:
+                inputs = make_inputs(c, device, graph)
+                dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None
+                call(kernelpack.flex_attention, c, graph, inputs, block_mask_for(c, device), dout)
+        torch.cuda.synchronize(index)
+    except Exception as e:
+        errors.append(f"{index}: {type(e).__name__}: {e}")
+threads = [threading.Thread(target=drafter, args=(i,)) for i in range(torch.cuda.device_count())]
+[t.start() for t in threads]
+[t.join() for t in threads]
+rep = runtime.report().to_dict()
+print(json.dumps({"errors": errors, "frames": counters["frames"]["ok"] - frames,
+                  "served": [[s["graph"], s["tier"]] for s in rep["served"]], "tier1": rep["inductor_cache_tier"]}))
+"""
+
+TORCHRUN_TIER_JOB = """
+import json, os, sys, time
+from kernelpack import runtime
+runtime.pin_local_gpu()  # this rank's GPU becomes cuda:0: the single-GPU artifact's keys and functions apply
+import torch
+from torch._dynamo.utils import counters
+import kernelpack
+from kernelpack.artifact import read_manifest
+from kernelpack.canonical import call, grad_output, make_inputs
+from kernelpack.masks import block_mask_for
+rank = int(os.environ["LOCAL_RANK"])
+torch.zeros(1, device="cuda")
+start = time.perf_counter()
+runtime.activate(sys.argv[1], cache_dir=os.path.join(sys.argv[2], f"rank{rank}"))
+frames = counters["frames"]["ok"]
+for built in read_manifest(sys.argv[1]).configs:
+    c = built.config
+    for graph in c.graphs:
+        inputs = make_inputs(c, "cuda:0", graph)
+        dout = grad_output(inputs[0]) if graph == "fwd+bwd" else None
+        call(kernelpack.flex_attention, c, graph, inputs, block_mask_for(c, "cuda:0"), dout)
+torch.cuda.synchronize()
+rep = runtime.report().to_dict()
+out = {"rank": rank, "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "ttfs": time.perf_counter() - start,
+       "frames": counters["frames"]["ok"] - frames, "tiers": sorted({s["tier"] for s in rep["served"]}),
+       "precompiled": rep["precompiled"]}
+open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w").write(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif("_gpus() < 2", reason="needs 2 GPUs")
+def test_tier_2_serves_every_device_index_and_every_pinned_rank(gpu_artifact: Path, tmp_path: Path) -> None:
+    """Issue 20, item 3. One process with a thread per GPU, on an artifact built with --devices 0..N-1: every
+    index's calls are served by its own precompiled function, with no Dynamo frame. Then torchrun with one pinned
+    rank per GPU, on the single-GPU artifact: every rank (each sees cuda:0) is served by tier 2."""
+    devices = list(range(_gpus()))
+    multi = build(RECIPE, tmp_path / "multi", jobs=4, devices=devices).artifact
+    assert multi is not None
+    job = tmp_path / "threads.py"
+    job.write_text(THREADS_OVER_GPUS_JOB)
+    proc = subprocess.run(
+        [sys.executable, str(job), str(multi), str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["frames"] == 0 and out["tier1"] == [], out
+    assert {t for _, t in out["served"]} == {"precompiled"}, out
+    assert {d for d in devices if any(f"cuda:{d} " in g for g, _ in out["served"])} == set(devices), out
+    job = tmp_path / "rank.py"
+    job.write_text(TORCHRUN_TIER_JOB)
+    results = tmp_path / "ranks"
+    results.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(devices)}"]
+    proc = subprocess.run(
+        [*cmd, str(job), str(gpu_artifact), str(tmp_path / "node"), str(results)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((results / f"rank{r}.json").read_text()) for r in devices]
+    graphs = sum(len(c.config.graphs) for c in art.read_manifest(gpu_artifact).configs)
+    for r in ranks:
+        assert r["frames"] == 0 and r["tiers"] == ["precompiled"] and r["precompiled"] == graphs, ranks
+    assert sorted(r["visible"] for r in ranks) == [str(d) for d in devices], ranks
 
 
 HF_RECIPE = Path(__file__).parent / "data" / "gpu-hf.toml"
