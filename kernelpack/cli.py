@@ -83,11 +83,6 @@ def _echo(text: str) -> None:
     click.echo(printable(text))
 
 
-def _hms(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}:{s:02d}"
-
-
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
