@@ -152,35 +152,43 @@ if [[ $what == tiers-fg ]]; then
   build 2; build 3
 fi
 # Issue 18, all of its H200 proof in one detached run (about 25 minutes; i18-collect waits for it, tars the results):
-# the tiers benchmark above (3 builds with --jobs 6, verify, warm_start --tiers), the transformers model side by side
-# (cold once, then warm, mega, kernelpack = tier 2, tier1, background = tier 2 loading while the model is built;
-# TF_REPEATS fresh processes each), then the GPU test suite with per-test durations. i18-bg waits for the first part.
+# 3 timed builds with --jobs 6 (pinned to 16 cores, the one-GPU H200's count, where taskset exists), the tiers
+# benchmark (skipped with SKIP_TIERS=1), the GPU tests new since the last device run (NEW_TESTS), the transformers model
+# side by side (cold once, then warm, mega, kernelpack = tier 2, tier1, background = tier 2 loading while the model is
+# built; TF_REPEATS fresh processes each), then the rest of the GPU suite with per-test durations (PYTEST_RESTARGS, e.g.
+# "-n 2" with pytest-xdist). Markers: tiers-done, new-tests-done, tf-done, done. i18-bg waits for tiers-done.
 if [[ $what == i18-bg ]]; then
   rm -rf /tmp/t18 /tmp/kp-tf; mkdir -p /tmp/t18 /tmp/kp-tf
+  TS=""; command -v taskset > /dev/null && [[ $(nproc) -gt 16 ]] && TS="taskset -c 0-15"
+  NEW=${NEW_TESTS:-"precompiled_functions or tier_2 or multi_device or not_visible"}
   setsid nohup bash -c '
     set -x
     for i in 1 2 3; do
-      s=$(date +%s.%N); python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t18/b$i --jobs 6 \
+      s=$(date +%s.%N); '"$TS"' python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t18/b$i --jobs 6 \
         > /tmp/t18/build-$i.log 2>&1
-      echo "build $i wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" >> /tmp/t18/builds.txt
+      echo "build $i wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s ('"${TS:-all cores}"')" >> /tmp/t18/builds.txt
     done
-    if [[ '"${SKIP_TIERS:-0}"' != 1 ]]; then  # SKIP_TIERS=1: the builds, then the transformers model and the tests
-      python3 -m kernelpack.cli inspect --json /tmp/t18/b1/*.kpack > /tmp/t18/manifest.json
+    python3 -m kernelpack.cli inspect --json /tmp/t18/b1/*.kpack > /tmp/t18/manifest.json
+    if [[ '"${SKIP_TIERS:-0}"' != 1 ]]; then
       python3 -m kernelpack.cli verify --json /tmp/t18/b1/*.kpack > /tmp/t18/verify.json 2>&1; echo "verify exit $?" >> /tmp/t18/builds.txt
       python3 bench/warm_start.py --artifact /tmp/t18/b1/*.kpack --repeats 3 --cold-repeats 3 --tiers \
         --out /tmp/t18/tiers.json > /tmp/t18/tiers.log 2>&1
     fi
     touch /tmp/t18/tiers-done
+    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "'"$NEW"'" \
+      > /tmp/t18/pytest-new.log 2>&1
+    touch /tmp/t18/new-tests-done
     python3 bench/transformers_step.py --write-recipe /tmp/kp-tf/mistral.toml --lengths 4096,8192 > /tmp/t18/tf-recipe.toml
     python3 -m kernelpack.cli build /tmp/kp-tf/mistral.toml -o /tmp/kp-tf --jobs 4 > /tmp/t18/build-tf.log 2>&1
     timeout 600 python3 bench/transformers_step.py --artifact /tmp/kp-tf/*.kpack --repeats '"${TF_REPEATS:-3}"' \
       --cold-repeats 1 --out /tmp/t18/transformers_step.json > /tmp/t18/transformers_step.log 2>&1
     touch /tmp/t18/tf-done
-    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 > /tmp/t18/pytest-gpu.log 2>&1
+    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "not ('"$NEW"')" \
+      '"${PYTEST_RESTARGS:-}"' > /tmp/t18/pytest-gpu.log 2>&1
     touch /tmp/t18/done' > /tmp/t18/driver.log 2>&1 < /dev/null &
   echo "issue 18 run started in the background"
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t18/tiers-done ]] && break; sleep 5; done
-  cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log
+  cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log 2>/dev/null
 fi
 # i18-collect: waits (COLLECT_POLLS x 5 s) for the marker I18_WAIT (default done), tars what there is so far
 if [[ $what == i18-collect ]]; then
@@ -188,7 +196,7 @@ if [[ $what == i18-collect ]]; then
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t18/${I18_WAIT:-done} ]] && break; sleep 5; done
   tar czf "$OUT/i18.tgz" -C /tmp/t18 --exclude='*.kpack' --exclude='b[123]' .
   cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log; tail -15 /tmp/t18/transformers_step.log
-  grep -E "PASSED|FAILED|ERROR|passed|failed" /tmp/t18/pytest-gpu.log | tail -20
+  grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t18/pytest-new.log /tmp/t18/pytest-gpu.log | tail -24
 fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
