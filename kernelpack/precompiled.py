@@ -14,11 +14,14 @@ What torch 2.13.0+cpu does (bench/precompile_probe.py): ``torch.compiler.save_co
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import inspect
 import io
+import json
 import os
 import tempfile
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -83,10 +86,14 @@ def file_name(config_id: str, device_index: int, graph: str) -> str:
 class Loaded:
     """A loaded function, called by flex_attention's parameter names. torch's own guard check (what remains of
     Dynamo's guards once identity guards and guards on globals are dropped: shapes, strides, dtypes, grad mode,
-    closure constants) runs through :meth:`serves`; the caller stands in for the dropped ones (the call signature,
-    the code of the mask_mod and score_mod, :func:`reads_globals`)."""
+    closure constants, the global state) runs through :meth:`serves`; the caller stands in for the dropped ones (the
+    call signature, the code of the mask_mod and score_mod, :func:`reads_globals`).
 
-    def __init__(self, fn: Any) -> None:
+    ``device`` is the device type the function runs on. For "cuda", the CPU thread count is taken out of torch's
+    global-state guard (:func:`_guard_thread_count`); for "cpu" it stays, since Inductor's C++ kernels are generated
+    for the builder's count."""
+
+    def __init__(self, fn: Any, device: str = "cpu") -> None:
         self._fn = fn
         # The loaded function's frame runs in a globals dict of its own (torch's GraphRuntimeEnv.forward_callable).
         # Bytecode that writes globals would race between threads calling it at once: such a function is not
@@ -96,8 +103,28 @@ class Loaded:
         if writes:
             raise RuntimeError(f"its bytecode writes the globals {writes}: not safe to call from several threads")
         fn.disable_guard_check()  # checked once per call in serves(), not again in __call__
+        self._lock = threading.Lock()
+        self._threads: int | None = None  # the thread count the guard now expects; None: torch's guard, unchanged
+        if device != "cpu":
+            self._follow_thread_count()
+
+    def _follow_thread_count(self) -> None:
+        import torch
+
+        threads = torch.get_num_threads()
+        with self._lock:
+            if threads != self._threads:
+                _guard_thread_count(self._fn, threads)
+                self._threads = threads
 
     def serves(self, arguments: Mapping[str, Any]) -> bool:
+        if self._fn.guard_check(**arguments):
+            return True
+        import torch
+
+        if self._threads is None or self._threads == torch.get_num_threads():
+            return False
+        self._follow_thread_count()  # the job changed its thread count after the load (torch.set_num_threads)
         return bool(self._fn.guard_check(**arguments))
 
     def guard_failure(self, arguments: Mapping[str, Any]) -> str:
@@ -119,10 +146,11 @@ class Loaded:
         return self(arguments)
 
 
-def load(path: str | os.PathLike[str]) -> Loaded:
-    """The function the builder saved at ``path``; raises when torch cannot load it or it is unsafe to share."""
+def load(path: str | os.PathLike[str], device: str) -> Loaded:
+    """The function the builder saved at ``path``, for ``device`` ("cuda", "cpu"); raises when torch cannot load it
+    or it is unsafe to share."""
     with open(path, "rb") as f:
-        return Loaded(loads(f.read()))
+        return Loaded(loads(f.read()), device)
 
 
 def reads_globals(fn: Any, depth: int = 0) -> str | None:
@@ -164,16 +192,47 @@ def loads(blob: bytes) -> Callable[..., Any]:
     process's cache dir (tier 1's files): without them torch compiles its kernels again."""
     import torch
 
+    return _unpickling_guards(lambda: torch.compiler.load_compiled_function(io.BytesIO(blob)))
+
+
+def _unpickling_guards(load: Callable[[], Any]) -> Any:
+    """``load()``, which unpickles guards: in a tracing context where torch needs one (below)."""
     global _needs_tracing_context
     if not _needs_tracing_context:
         try:
-            return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
+            return load()
         except RuntimeError as e:
             if _NO_TRACING_CONTEXT not in str(e):
                 raise
             _needs_tracing_context = True
     with _tracing_context():
-        return torch.compiler.load_compiled_function(io.BytesIO(blob))  # type: ignore[no-any-return]
+        return load()
+
+
+def _guard_thread_count(fn: Any, threads: int) -> None:
+    """Rebuild ``fn``'s guards with ``threads`` as the CPU thread count its global-state guard expects.
+
+    Dynamo's GLOBAL_STATE guard (GlobalStateGuard, torch/csrc/dynamo/guards.cpp) compares torch.get_num_threads()
+    with the count at compile time, and a saved function keeps the builder's. torchrun sets OMP_NUM_THREADS=1 in every
+    worker and a job's host has its own core count, so on 2 H200s with torch 2.11 every pinned rank's load failed
+    ("GLOBAL_STATE changed: num_threads") and tier 1 served. A CUDA graph's kernels do not depend on it (tier 1's
+    Inductor key does not hold it either); the rest of the global state (grad mode, autocast, TF32, deterministic
+    algorithms, default dtype) is still checked. Private torch API, the same in 2.11 and 2.13 (the lines of
+    AOTCompiledFunction.__post_init__ that build the guard manager)."""
+    from torch._dynamo.package import load_guard_manager, load_guards_state
+
+    artifacts = fn._artifacts
+    state = _unpickling_guards(lambda: load_guards_state(artifacts.guards_state))
+    saved = state.output_graph.global_state_guard
+    values = json.loads(saved.__getstate__())
+    values["num_threads"] = threads
+    cls: Any = type(saved)
+    guard = cls.__new__(cls)  # what pickle does: the pybind class restores itself from its JSON
+    guard.__setstate__(json.dumps(values))
+    state = dataclasses.replace(state, output_graph=dataclasses.replace(state.output_graph, global_state_guard=guard))
+    artifacts.guard_manager = _unpickling_guards(
+        lambda: load_guard_manager(state, artifacts.original_code, fn.fn.__globals__)
+    )
 
 
 @contextlib.contextmanager

@@ -140,7 +140,7 @@ def run_precompiled(
     _sync(device)
     start = time.perf_counter()
     try:
-        loaded = precompiled.load(path)
+        loaded = precompiled.load(path, config.device)
         out, grads, _ = canonical_call(loaded.checked, config, graph, inputs, bm, dout)
         _sync(device)
         seconds = time.perf_counter() - start

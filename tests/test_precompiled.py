@@ -22,6 +22,7 @@ from kernelpack.artifact import PRECOMPILED_DIR
 from kernelpack.canonical import arguments, make_inputs
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import load_recipe
+torch.set_num_threads(2)  # the builder's count, whatever this machine has
 config = load_recipe(sys.argv[1]).configs[0]
 inputs = make_inputs(config, "cpu", "fwd")
 args = arguments(config, inputs, block_mask_for(config, "cpu"))
@@ -31,6 +32,19 @@ if sys.argv[2] == "save":
     fn = precompiled.compile_call(args, grad=False)
     open(sys.argv[3], "wb").write(precompiled.dumps(fn))
     torch.save(ref, sys.argv[3] + ".ref")
+elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun's OMP_NUM_THREADS=1)
+    torch.set_num_threads(1)
+    blob = open(sys.argv[3], "rb").read()
+    kept = precompiled.Loaded(precompiled.loads(blob), "cpu")
+    followed = precompiled.Loaded(precompiled.loads(blob), "cuda")
+    with torch.no_grad():
+        out = {"kept": kept.serves(args), "why": kept.guard_failure(args), "followed": followed.serves(args),
+               "equal": bool(torch.equal(followed(args), torch.load(sys.argv[3] + ".ref")))}
+        torch.set_num_threads(3)  # the job changes it after the load
+        out["after_change"] = followed.serves(args)
+        args["query"] = args["query"][:, :, :-1]  # another shape: the rest of the guards still refuse
+        out["other_shape"] = followed.serves(args)
+    print(json.dumps(out))
 else:
     frames = counters["frames"]["ok"]
     t = time.perf_counter()
@@ -61,6 +75,20 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["equal"] and out["frames"] == 0, out
+    # issue 20: torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
+    # the job's thread count (its kernels do not depend on it); a CPU one keeps torch's guard on it
+    proc = subprocess.run(
+        [sys.executable, str(script), str(recipe), "threads", str(blob)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not out["kept"] and "num_threads" in out["why"], out
+    assert out["followed"] and out["equal"] and out["after_change"], out
+    assert not out["other_shape"], out
 
 
 # ------------------------------------------------------------------------------------------------ the runtime
