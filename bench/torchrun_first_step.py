@@ -1,17 +1,22 @@
 """One process per GPU under torchrun: does every rank's first step compile nothing? (issue 7, items 1, 2 and 4)
 
-Modes, each a separate ``torchrun --standalone --nproc-per-node N`` job over one shared, empty node cache dir:
+Modes, each a separate ``torchrun --standalone --nproc-per-node N`` job over one node cache dir shared by its ranks
+(bench/torchrun_driver.py: empty, except for warm), ``--repeats`` rounds of them:
 
-  cold            no artifact: each rank ``torch.compile(flex_attention)`` from scratch (what jobs do today)
-  pinned          ``runtime.pin_local_gpu()`` (each rank sees its GPU as cuda:0), then ``activate(ARTIFACT)``
+  cold            no artifact: rank r ``torch.compile(flex_attention)`` on cuda:r from scratch (what jobs do today)
+  warm            the same over a copy of the first cold job's cache: torch's native warm start
+  pinned          ``runtime.pin_local_gpu()`` (each rank sees its GPU as cuda:0), then ``activate(ARTIFACT)``: the
+                  precompiled tier serves what it covers (issue 18)
+  pinned-tier1    the same with KERNELPACK_PRECOMPILED=0: the inductor cache serves every call
   unpinned        rank r runs on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 miss (pytorch#170123)
   unpinned-strict rank r on cuda:r, ``activate(ARTIFACT)``: ranks != 0 must raise NotPrecompiledError
 
 The first step runs every config of the artifact once (forward + backward), like bench/warm_start.py. Time to first
 step (``ttfs``) runs from just before activate() (the install is included) to the last synchronize; all ranks leave a
-gloo barrier together before it. Each rank writes ``rank<r>.json``; the driver prints a table and writes --out.
+gloo barrier together before it. Each rank writes ``rank<r>.json``; the driver prints each job, then the median
+ttfs per (mode, rank), and writes --out with every rank's JSON, the medians, the torch build and the commit.
 
-    python bench/torchrun_first_step.py --artifact a.kpack --nproc 8 --out torchrun.json
+    python bench/torchrun_first_step.py --artifact a.kpack --nproc 8 --repeats 3 --out torchrun.json
 """
 
 from __future__ import annotations
@@ -19,22 +24,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-MODES = ("cold", "pinned", "unpinned", "unpinned-strict")
+import torchrun_driver
+
+MODES = ("cold", "warm", "pinned", "pinned-tier1", "unpinned", "unpinned-strict")
 
 
-def worker(mode: str, artifact: str, result_dir: str) -> None:
+def worker(mode: str, result_dir: str, artifact: str) -> None:
     t_start = time.perf_counter()
     local_rank = int(os.environ["LOCAL_RANK"])
+    if mode == "pinned-tier1":
+        os.environ["KERNELPACK_PRECOMPILED"] = "0"
     from kernelpack import runtime
 
-    if mode == "pinned":
+    pinned = mode.startswith("pinned")
+    if pinned:
         runtime.pin_local_gpu()  # before CUDA initializes: this rank's GPU becomes cuda:0
     import torch
     import torch.distributed as dist
@@ -45,14 +52,17 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
     from kernelpack.canonical import make_inputs
     from kernelpack.masks import block_mask_for
 
-    device = "cuda:0" if mode == "pinned" else f"cuda:{local_rank}"
-    torch.cuda.set_device(device)
     configs = [c.config for c in read_manifest(artifact).configs]
+    cuda = configs[0].device == "cuda"  # a CPU artifact: a dry run of the script, forward only
+    device = ("cuda:0" if pinned else f"cuda:{local_rank}") if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda device: None)
+    if cuda:
+        torch.cuda.set_device(device)
     work = []
     for c in configs:
-        q, k, v = make_inputs(c, device)
+        q, k, v = make_inputs(c, device, "fwd+bwd" if cuda else "fwd")
         work.append((c, q, k, v, torch.randn_like(q), block_mask_for(c, device)))
-    torch.cuda.synchronize(device)
+    sync(device)
     import_s = time.perf_counter() - t_start
     dist.init_process_group("gloo")
     dist.barrier()
@@ -62,12 +72,12 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
         "local_rank": local_rank,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "device": device,
-        "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid),
+        "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid) if cuda else None,
         "setup_s": import_s,
     }
     t0 = time.perf_counter()
     try:
-        if mode == "cold":
+        if mode in ("cold", "warm"):
             evidence.install_hooks()  # observe torch as it is: count, refuse nothing
             fn = torch.compile(flex_attention, dynamic=False)
             out["activate_s"] = 0.0
@@ -78,8 +88,9 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
         before = evidence.snapshot()
         for c, q, k, v, dout, bm in work:
             o = fn(q, k, v, block_mask=bm, enable_gqa=c.enable_gqa)
-            torch.autograd.grad(o, (q, k, v), dout)
-        torch.cuda.synchronize(device)
+            if cuda:
+                torch.autograd.grad(o, (q, k, v), dout)
+        sync(device)
         out["ttfs"] = time.perf_counter() - t0
         out["ok"] = True
         out["counters"] = {k: v for k, v in evidence.delta(before, evidence.snapshot()).items() if v}
@@ -87,32 +98,11 @@ def worker(mode: str, artifact: str, result_dir: str) -> None:
         out["ok"] = False
         out["ttfs"] = time.perf_counter() - t0
         out["error"] = f"{type(e).__name__}: {e}"
-    if mode != "cold":
+    if mode not in ("cold", "warm"):
         out["report"] = runtime.report().summary()
+        out["tiers"] = sorted({s["tier"] for s in runtime.report().to_dict()["served"]})
     Path(result_dir, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
     dist.destroy_process_group()
-
-
-def run(mode: str, args: argparse.Namespace) -> dict[str, object]:
-    tmp = tempfile.mkdtemp(prefix=f"kp-torchrun-{mode}-")
-    try:
-        results = Path(tmp, "results")
-        results.mkdir()
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp, "cache")), PYTHONUNBUFFERED="1")
-        env.pop("TRITON_CACHE_DIR", None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-        cmd += [__file__, "--worker", mode, args.artifact, str(results)]
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
-            outcome = f"exit {proc.returncode}"
-            log = proc.stdout[-3000:] + proc.stderr[-3000:]
-        except subprocess.TimeoutExpired:
-            outcome, log = f"no result within {args.timeout:.0f} s", ""
-        ranks = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
-        return {"mode": mode, "outcome": outcome, "wall": time.perf_counter() - t, "ranks": ranks, "log_tail": log}
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
@@ -120,6 +110,7 @@ def main() -> None:
     ap.add_argument("--artifact", required=True, help="built on one GPU (cuda:0)")
     ap.add_argument("--nproc", type=int, default=None, help="default: every visible GPU")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode; ttfs per rank is their median")
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", default="torchrun_first_step.json")
     args = ap.parse_args()
@@ -127,15 +118,20 @@ def main() -> None:
         import torch
 
         args.nproc = torch.cuda.device_count()
-    results = [run(m, args) for m in args.modes.split(",")]
-    Path(args.out).write_text(json.dumps({"nproc": args.nproc, "results": results}, indent=1))
+    modes = args.modes.split(",")
+    results = torchrun_driver.run_jobs(__file__, modes, args.repeats, args.nproc, [args.artifact], args.timeout)
+    medians = torchrun_driver.medians(results)
+    summary = {"nproc": args.nproc, **torchrun_driver.provenance(), "medians": medians, "results": results}
+    Path(args.out).write_text(json.dumps(summary, indent=1))
     for r in results:
-        print(f"{r['mode']}: {r['outcome']}, {len(r['ranks'])}/{args.nproc} ranks reported, wall {r['wall']:.1f} s")
+        print(
+            f"{r['mode']} #{r['repeat']}: {r['outcome']}, {len(r['ranks'])}/{args.nproc} ranks, wall {r['wall']:.1f} s"
+        )
         for k in r["ranks"]:
             c = k.get("counters", {})
             what = (
                 f"triton compiled {c.get('triton_compiled', 0)}, FX miss {c.get('inductor.fxgraph_cache_miss', 0)}"
-                f" hit {c.get('inductor.fxgraph_cache_hit', 0)}"
+                f" hit {c.get('inductor.fxgraph_cache_hit', 0)}, tiers {k.get('tiers', '-')}"
                 if k["ok"]
                 else k["error"][:400]
             )
@@ -143,10 +139,14 @@ def main() -> None:
             print(f"  rank {k['rank']} {where}: ttfs {k['ttfs']:.2f} s; {what}")
         if not r["ranks"]:
             print(r["log_tail"])
+    print(f"median ttfs per rank over {args.repeats} repeat(s), {summary['commit']}, torch {summary['torch']}:")
+    for mode in modes:
+        ranks = medians.get(mode, {})
+        print(f"  {mode}: " + (", ".join(f"rank {r} {m['median']:.2f} s" for r, m in ranks.items()) or "no rank ok"))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], sys.argv[4])
+        worker(*sys.argv[2:5])
     else:
         main()

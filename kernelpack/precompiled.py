@@ -104,8 +104,9 @@ class Loaded:
             raise RuntimeError(f"its bytecode writes the globals {writes}: not safe to call from several threads")
         fn.disable_guard_check()  # checked once per call in serves(), not again in __call__
         self._lock = threading.Lock()
-        self._threads: int | None = None  # the thread count the guard now expects; None: torch's guard, unchanged
+        self._threads: int | None = None  # the thread count the guard now expects; None: torch's guard, kept
         if device != "cpu":
+            self._threads = _guarded_thread_count(fn)
             self._follow_thread_count()
 
     def _follow_thread_count(self) -> None:
@@ -209,6 +210,17 @@ def _unpickling_guards(load: Callable[[], Any]) -> Any:
         return load()
 
 
+def _guards_state(fn: Any) -> Any:
+    from torch._dynamo.package import load_guards_state
+
+    return _unpickling_guards(lambda: load_guards_state(fn._artifacts.guards_state))
+
+
+def _guarded_thread_count(fn: Any) -> int:
+    """The CPU thread count ``fn``'s saved global-state guard holds (the builder's)."""
+    return int(json.loads(_guards_state(fn).output_graph.global_state_guard.__getstate__())["num_threads"])
+
+
 def _guard_thread_count(fn: Any, threads: int) -> None:
     """Rebuild ``fn``'s guards with ``threads`` as the CPU thread count its global-state guard expects.
 
@@ -219,10 +231,10 @@ def _guard_thread_count(fn: Any, threads: int) -> None:
     Inductor key does not hold it either); the rest of the global state (grad mode, autocast, TF32, deterministic
     algorithms, default dtype) is still checked. Private torch API, the same in 2.11 and 2.13 (the lines of
     AOTCompiledFunction.__post_init__ that build the guard manager)."""
-    from torch._dynamo.package import load_guard_manager, load_guards_state
+    from torch._dynamo.package import load_guard_manager
 
     artifacts = fn._artifacts
-    state = _unpickling_guards(lambda: load_guards_state(artifacts.guards_state))
+    state = _guards_state(fn)
     saved = state.output_graph.global_state_guard
     values = json.loads(saved.__getstate__())
     values["num_threads"] = threads

@@ -42,6 +42,8 @@ elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun'
                "equal": bool(torch.equal(followed(args), torch.load(sys.argv[3] + ".ref")))}
         torch.set_num_threads(3)  # the job changes it after the load
         out["after_change"] = followed.serves(args)
+        torch.set_num_threads(2)  # and back to the builder's
+        out["back"] = followed.serves(args)
         args["query"] = args["query"][:, :, :-1]  # another shape: the rest of the guards still refuse
         out["other_shape"] = followed.serves(args)
     print(json.dumps(out))
@@ -87,7 +89,7 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     )
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not out["kept"] and "num_threads" in out["why"], out
-    assert out["followed"] and out["equal"] and out["after_change"], out
+    assert out["followed"] and out["equal"] and out["after_change"] and out["back"], out
     assert not out["other_shape"], out
 
 

@@ -1,0 +1,91 @@
+"""What bench/torchrun_first_step.py and bench/torchrun_train.py share: one ``torchrun --standalone`` job per (mode,
+repeat), each rank writing ``rank<r>.json`` into a results dir, the node cache per job chosen by the mode, and the
+per-rank medians over the repeats.
+
+Caches: ``cold`` starts from an empty dir; the first cold job's cache is kept, and every ``warm`` job starts from a
+copy of it (torch's native warm start: the entries the cold job wrote, for every rank's device index). Every other
+mode starts from an empty dir (kernelpack installs the artifact into it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def run_jobs(
+    script: str, modes: list[str], repeats: int, nproc: int, worker_args: list[str], timeout: float
+) -> list[dict[str, Any]]:
+    """Every mode ``repeats`` times, in rounds (the modes in order inside each round, as bench/warm_start.py pairs
+    its arms): ``cold`` must come before ``warm``, whose cache is a copy of the first cold job's."""
+    work = Path(tempfile.mkdtemp(prefix="kp-torchrun-"))
+    first_cold: Path | None = None
+    results = []
+    try:
+        for repeat in range(repeats):
+            for mode in modes:
+                cache = work / f"{mode}-{repeat}"
+                if mode == "warm":
+                    if first_cold is None:
+                        raise SystemExit("warm needs a cold job before it: list cold before warm in --modes")
+                    shutil.copytree(first_cold, cache)
+                results.append({**_job(script, mode, nproc, worker_args, timeout, cache), "repeat": repeat})
+                if mode == "cold" and first_cold is None:
+                    first_cold = cache
+                else:
+                    shutil.rmtree(cache, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _job(script: str, mode: str, nproc: int, worker_args: list[str], timeout: float, cache: Path) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"kp-torchrun-{mode}-") as tmp:
+        results = Path(tmp)
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), PYTHONUNBUFFERED="1")
+        env.pop("TRITON_CACHE_DIR", None)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        cmd += [script, "--worker", mode, str(results), *worker_args]
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+            outcome = f"exit {proc.returncode}"
+            log = proc.stdout[-3000:] + proc.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            outcome, log = f"no result within {timeout:.0f} s", ""
+        ranks = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
+        return {"mode": mode, "outcome": outcome, "wall": time.perf_counter() - t, "ranks": ranks, "log_tail": log}
+
+
+def medians(results: list[dict[str, Any]], key: str = "ttfs") -> dict[str, dict[int, dict[str, Any]]]:
+    """mode -> rank -> {"median": median of ``key`` over the repeats where the rank succeeded, "samples": [...]}"""
+    by: dict[str, dict[int, list[float]]] = {}
+    for r in results:
+        for rank in r["ranks"]:
+            if rank.get("ok") and rank.get(key) is not None:
+                by.setdefault(r["mode"], {}).setdefault(rank["rank"], []).append(rank[key])
+    return {
+        mode: {rank: {"median": statistics.median(v), "samples": v} for rank, v in sorted(ranks.items())}
+        for mode, ranks in by.items()
+    }
+
+
+def provenance() -> dict[str, str]:
+    """The torch build and the kernelpack commit each row is measured at."""
+    import torch
+
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"torch": torch.__version__, "torch_git": torch.version.git_version, "commit": commit or "unknown"}
