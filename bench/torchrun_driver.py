@@ -22,16 +22,24 @@ from typing import Any
 
 
 def run_jobs(
-    script: str, modes: list[str], repeats: int, nproc: int, worker_args: list[str], timeout: float
+    script: str,
+    modes: list[str],
+    repeats: int,
+    nproc: int,
+    worker_args: list[str],
+    timeout: float,
+    repeats_for: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every mode ``repeats`` times, in rounds (the modes in order inside each round, as bench/warm_start.py pairs
-    its arms): ``cold`` must come before ``warm``, whose cache is a copy of the first cold job's."""
+    """Every mode ``repeats`` times (``repeats_for``: another count for some modes), in rounds: the modes in order
+    inside each round, as bench/warm_start.py pairs its arms. ``cold`` must come before ``warm``, whose cache is a
+    copy of the first cold job's."""
+    counts = {m: (repeats_for or {}).get(m, repeats) for m in modes}
     work = Path(tempfile.mkdtemp(prefix="kp-torchrun-"))
     first_cold: Path | None = None
     results = []
     try:
-        for repeat in range(repeats):
-            for mode in modes:
+        for repeat in range(max(counts.values(), default=0)):
+            for mode in (m for m in modes if repeat < counts[m]):
                 cache = work / f"{mode}-{repeat}"
                 if mode == "warm":
                     if first_cold is None:
@@ -89,3 +97,43 @@ def provenance() -> dict[str, str]:
     except OSError:
         commit = ""
     return {"torch": torch.__version__, "torch_git": torch.version.git_version, "commit": commit or "unknown"}
+
+
+def counts(text: str) -> dict[str, int]:
+    """``--repeats-for`` "cold=1,unpinned=1" as {"cold": 1, "unpinned": 1}."""
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(",") if item)}
+
+
+def add_arguments(ap: Any, modes: tuple[str, ...], out: str) -> None:
+    """The driver's options, the same in both scripts."""
+    ap.add_argument("--nproc", type=int, default=None, help="default: every visible GPU")
+    ap.add_argument("--modes", default=",".join(modes))
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode; ttfs per rank is their median")
+    ap.add_argument("--repeats-for", default="", type=counts, help="per-mode counts, e.g. cold=1,unpinned=1")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds per torchrun job")
+    ap.add_argument("--out", default=out)
+
+
+def main(script: str, args: Any, worker_args: list[str], describe: Any) -> None:
+    """Run the jobs, write ``args.out`` (every rank's JSON, the medians, the torch build, the commit), print each
+    job's ranks (``describe(rank_json)`` for an ok rank) and the medians."""
+    if args.nproc is None:
+        import torch
+
+        args.nproc = torch.cuda.device_count()
+    modes = args.modes.split(",")
+    results = run_jobs(script, modes, args.repeats, args.nproc, worker_args, args.timeout, args.repeats_for)
+    summary = {"nproc": args.nproc, **provenance(), "medians": medians(results), "results": results}
+    Path(args.out).write_text(json.dumps(summary, indent=1))
+    for r in results:
+        done = f"{len(r['ranks'])}/{args.nproc} ranks, wall {r['wall']:.1f} s"
+        print(f"{r['mode']} #{r['repeat']}: {r['outcome']}, {done}")
+        for k in r["ranks"]:
+            where = f"rank {k['rank']} {k['device']} (visible {k['cuda_visible_devices']})"
+            print(f"  {where}: ttfs {k['ttfs']:.2f} s; {describe(k) if k['ok'] else k['error'][:600]}")
+        if not r["ranks"]:
+            print(r["log_tail"])
+    print(f"median ttfs per rank, {summary['commit']}, torch {summary['torch']}:")
+    for mode, ranks in summary["medians"].items():
+        each = (f"rank {r} {m['median']:.2f} s (of {len(m['samples'])})" for r, m in ranks.items())
+        print(f"  {mode}: " + ", ".join(each))

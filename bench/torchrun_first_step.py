@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torchrun_driver
 
@@ -105,44 +106,20 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
     dist.destroy_process_group()
 
 
+def describe(rank: dict[str, Any]) -> str:
+    c = rank.get("counters", {})
+    return (
+        f"triton compiled {c.get('triton_compiled', 0)}, FX miss {c.get('inductor.fxgraph_cache_miss', 0)}"
+        f" hit {c.get('inductor.fxgraph_cache_hit', 0)}, tiers {rank.get('tiers', '-')}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--artifact", required=True, help="built on one GPU (cuda:0)")
-    ap.add_argument("--nproc", type=int, default=None, help="default: every visible GPU")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of every mode; ttfs per rank is their median")
-    ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--out", default="torchrun_first_step.json")
+    torchrun_driver.add_arguments(ap, MODES, "torchrun_first_step.json")
     args = ap.parse_args()
-    if args.nproc is None:
-        import torch
-
-        args.nproc = torch.cuda.device_count()
-    modes = args.modes.split(",")
-    results = torchrun_driver.run_jobs(__file__, modes, args.repeats, args.nproc, [args.artifact], args.timeout)
-    medians = torchrun_driver.medians(results)
-    summary = {"nproc": args.nproc, **torchrun_driver.provenance(), "medians": medians, "results": results}
-    Path(args.out).write_text(json.dumps(summary, indent=1))
-    for r in results:
-        print(
-            f"{r['mode']} #{r['repeat']}: {r['outcome']}, {len(r['ranks'])}/{args.nproc} ranks, wall {r['wall']:.1f} s"
-        )
-        for k in r["ranks"]:
-            c = k.get("counters", {})
-            what = (
-                f"triton compiled {c.get('triton_compiled', 0)}, FX miss {c.get('inductor.fxgraph_cache_miss', 0)}"
-                f" hit {c.get('inductor.fxgraph_cache_hit', 0)}, tiers {k.get('tiers', '-')}"
-                if k["ok"]
-                else k["error"][:400]
-            )
-            where = f"{k['device']} (visible {k['cuda_visible_devices']})"
-            print(f"  rank {k['rank']} {where}: ttfs {k['ttfs']:.2f} s; {what}")
-        if not r["ranks"]:
-            print(r["log_tail"])
-    print(f"median ttfs per rank over {args.repeats} repeat(s), {summary['commit']}, torch {summary['torch']}:")
-    for mode in modes:
-        ranks = medians.get(mode, {})
-        print(f"  {mode}: " + (", ".join(f"rank {r} {m['median']:.2f} s" for r, m in ranks.items()) or "no rank ok"))
+    torchrun_driver.main(__file__, args, [args.artifact], describe)
 
 
 if __name__ == "__main__":
