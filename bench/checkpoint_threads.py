@@ -45,7 +45,13 @@ MODES = ("none", "none-nowarm", "reentrant", "nonreentrant", "both")
 
 
 def child(
-    artifact: str, mode: str, threads: int, cache: str, block_kind: str = "canonical", random_steps: int = 0
+    artifact: str,
+    mode: str,
+    threads: int,
+    cache: str,
+    block_kind: str = "canonical",
+    random_steps: int = 0,
+    spread: bool = False,
 ) -> dict[str, Any]:
     import torch
     from torch.utils.checkpoint import checkpoint
@@ -56,16 +62,24 @@ def child(
     from kernelpack.masks import block_mask_for
 
     configs = [c.config for c in read_manifest(artifact).configs if c.config.backward]
-    device = "cuda:0"
+    gpus = torch.cuda.device_count() if spread else 1
+
+    def device_of(i: int) -> str:  # --spread: thread i on cuda:i (the seeds' drafters, one GPU each)
+        return f"cuda:{i % gpus}"
+
+    def here() -> str:
+        return device_of(int(threading.current_thread().name.split("-")[1]))
+
     models: list[Any] = []
     if block_kind == "tf":  # before activate(): the model's module registers pytree nodes (runtime's hint says why)
-        models = tf_models(configs[0], threads if mode != "both" else 1, device)
+        models = tf_models(configs[0], [device_of(i) for i in range(threads if mode != "both" else 1)])
     t0 = time.perf_counter()
     activation = runtime.activate(artifact, cache_dir=cache, warmup=mode != "none-nowarm")
     activate_s = time.perf_counter() - t0
 
     def inputs(c: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         g = torch.Generator(device="cpu").manual_seed(0)
+        device = here()
 
         def rand(h: int, n: int) -> torch.Tensor:
             return torch.randn(c.batch, h, n, c.head_dim, generator=g).to(device, getattr(torch, c.dtype))
@@ -95,7 +109,7 @@ def child(
                 n = rngs.setdefault(name, random.Random(name)).randint(lo, hi)
                 length = n if c.q_range else runtime.padded_length(n)
                 lengths_seen.append(n)
-            ids = torch.randint(0, model.config.vocab_size, (c.batch, length), device=device)
+            ids = torch.randint(0, model.config.vocab_size, (c.batch, length), device=here())
             labels = ids.clone()
             labels[:, n:] = -100  # padding: no loss, and causal attention keeps it out of the real tokens
             model(ids, labels=labels, use_cache=False).loss.backward()
@@ -105,9 +119,9 @@ def child(
 
             key = (threading.current_thread().name, c.id)
             if key not in modules:
-                modules[key] = hf_block.Attention(c, runtime.flex_attention, device)
-            x = hf_block.hidden_states(c, device).requires_grad_()
-            hf_mask = hf_block.block_mask(c, device)  # torch's create_block_mask, rebuilt every step
+                modules[key] = hf_block.Attention(c, runtime.flex_attention, here())
+            x = hf_block.hidden_states(c, here()).requires_grad_()
+            hf_mask = hf_block.block_mask(c, here())  # torch's create_block_mask, rebuilt every step
             if reentrant is None:
                 out = modules[key](x, hf_mask)
             else:
@@ -115,7 +129,7 @@ def child(
             out.float().square().mean().backward()
             return
         xq, xkv, scale = inputs(c)
-        bm = block_mask_for(c, device)  # rebuilt every step, as the drafters do
+        bm = block_mask_for(c, here())  # rebuilt every step, as the drafters do
         if reentrant is None:
             out = block(xq, xkv, scale, bm, c.enable_gqa)
         else:
@@ -128,7 +142,7 @@ def child(
         try:
             for c, reentrant in plan[i % len(plan) :] + plan[: i % len(plan)]:
                 step_one(c, reentrant)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(here())
         except BaseException as e:  # the benchmark records what a thread raised
             errors.append(f"{type(e).__name__}: {e}"[:2000])
 
@@ -181,12 +195,14 @@ def child(
         "compiles_during_steps": [{**evidence.fields_of(r), "note": r.note} for r in evidence.compile_records(mark)],
         "activation": activation.describe(),
         "lengths": sorted(lengths_seen),
+        "devices": sorted({device_of(i) for i in range(n)}),
         "torch": torch.__version__,
     }
 
 
-def tf_models(c: Any, n: int, device: str) -> list[Any]:
-    """n transformers models (one per thread, as each drafter has its own) of the attention the artifact serves."""
+def tf_models(c: Any, devices: list[str]) -> list[Any]:
+    """A transformers model per thread, on its device (each drafter has its own), of the attention the artifact
+    serves."""
     import torch
     from transformers import MistralForCausalLM
     from transformers_step import TINY, config
@@ -196,9 +212,12 @@ def tf_models(c: Any, n: int, device: str) -> list[Any]:
     hf.register()  # the name must be known when the model is built; activate() registers it again
     cfg = config(tiny=c.q_heads == TINY["num_attention_heads"])
     cfg._attn_implementation = "kernelpack"
-    torch.manual_seed(0)
-    with torch.device(device):
-        return [MistralForCausalLM(cfg).to(getattr(torch, c.dtype)).train() for _ in range(n)]
+    models = []
+    for device in devices:
+        torch.manual_seed(0)
+        with torch.device(device):
+            models.append(MistralForCausalLM(cfg).to(getattr(torch, c.dtype)).train())
+    return models
 
 
 def main() -> int:
@@ -217,14 +236,14 @@ def main() -> int:
         "tf: a transformers model (needs transformers_step.py's recipe)",
     )
     p.add_argument("--random-steps", type=int, default=0, help="--block tf: steps of random lengths per thread step")
+    p.add_argument("--spread", action="store_true", help="thread i on cuda:i mod GPUs (needs a --devices artifact)")
     p.add_argument("--out", help="the JSON to write (required except in --child)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         try:
-            result = child(
-                args.artifact, args.child, args.threads, os.environ["KP_BENCH_CACHE"], args.block, args.random_steps
-            )
+            cache = os.environ["KP_BENCH_CACHE"]
+            result = child(args.artifact, args.child, args.threads, cache, args.block, args.random_steps, args.spread)
         except BaseException as e:
             result = {"mode": args.child, "crash": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         print(json.dumps(result), flush=True)
@@ -241,6 +260,7 @@ def main() -> int:
                 env = dict(os.environ, KP_BENCH_CACHE=str(Path(tmp, "cache")))
                 cmd = [sys.executable, __file__, "--artifact", args.artifact, "--threads", str(args.threads)]
                 cmd += ["--block", args.block, "--random-steps", str(args.random_steps)]
+                cmd += ["--spread"] if args.spread else []
                 start = time.perf_counter()
                 try:
                     proc = subprocess.run(

@@ -198,6 +198,66 @@ if [[ $what == i18-collect ]]; then
   cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log; tail -15 /tmp/t18/transformers_step.log
   grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t18/pytest-new.log /tmp/t18/pytest-gpu.log | tail -24
 fi
+# Issue 20, every run on 2+ GPUs in one detached run (about 16 minutes on 2 H200s; i20-collect waits for a marker and
+# tars the results): (1) bench/torchrun_first_step.py on the single-GPU dflash artifact, 3 rounds of cold, warm,
+# pinned (tier 2), pinned-tier1, one of unpinned and unpinned-strict; (2) bench/torchrun_train.py, the transformers
+# model under torchrun: 3 rounds of pinned, one of cold, warm, unpinned, unpinned-strict; (3) the same model at a
+# random length per rank and step, on a bucketed and on a dynamic artifact; (4) the seeds' layout: one process, a
+# thread per GPU, on a --devices artifact: threads_first_step (raw vs kernelpack) and checkpoint_threads --spread
+# (reentrant and non-reentrant checkpointing). Markers: dflash-done, tf-done, varlen-done, spread-done, done.
+if [[ $what == i20-bg ]]; then
+  NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  rm -rf /tmp/t20; mkdir -p /tmp/t20/a /tmp/t20/tf /tmp/t20/vb /tmp/t20/vd /tmp/t20/spread
+  setsid nohup bash -c '
+    set -x
+    N='"$NGPU"'
+    git log --oneline -1 > /tmp/t20/commit.txt 2>/dev/null
+    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/a --jobs 6 > /tmp/t20/build-dflash.log 2>&1
+    python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc $N --repeats 3 \
+      --modes cold,warm,pinned,pinned-tier1,unpinned,unpinned-strict --repeats-for unpinned=1,unpinned-strict=1 \
+      --timeout 300 --out /tmp/t20/torchrun_first_step.json > /tmp/t20/torchrun_first_step.log 2>&1
+    touch /tmp/t20/dflash-done
+    python3 bench/transformers_step.py --write-recipe /tmp/t20/tf/mistral.toml --lengths 4096,8192 > /dev/null
+    python3 -m kernelpack.cli build /tmp/t20/tf/mistral.toml -o /tmp/t20/tf --jobs 4 > /tmp/t20/build-tf.log 2>&1
+    python3 bench/torchrun_train.py --artifact /tmp/t20/tf/*.kpack --nproc $N --repeats 3 \
+      --modes cold,warm,pinned,unpinned,unpinned-strict --repeats-for cold=1,warm=1,unpinned=1,unpinned-strict=1 \
+      --timeout 300 --out /tmp/t20/torchrun_train.json > /tmp/t20/torchrun_train.log 2>&1
+    touch /tmp/t20/tf-done
+    V="python3 bench/varlen_train.py"
+    $V --write-recipe /tmp/t20/vb/buckets.toml --min 1024 --max 4096 --multiple 512 > /dev/null
+    python3 -m kernelpack.cli build /tmp/t20/vb/buckets.toml -o /tmp/t20/vb --jobs 8 > /tmp/t20/build-buckets.log 2>&1
+    python3 bench/torchrun_train.py --artifact /tmp/t20/vb/*.kpack --nproc $N --modes pinned --steps 8 \
+      --random 1024:4096 --timeout 300 --out /tmp/t20/torchrun_varlen_buckets.json > /tmp/t20/torchrun_varlen_buckets.log 2>&1
+    $V --write-recipe /tmp/t20/vd/dynamic.toml --min 1024 --max 4096 > /dev/null
+    python3 -m kernelpack.cli build /tmp/t20/vd/dynamic.toml -o /tmp/t20/vd --jobs 2 > /tmp/t20/build-dynamic.log 2>&1
+    python3 bench/torchrun_train.py --artifact /tmp/t20/vd/*.kpack --nproc $N --modes pinned --steps 8 \
+      --random 1024:4096 --timeout 300 --out /tmp/t20/torchrun_varlen_dynamic.json > /tmp/t20/torchrun_varlen_dynamic.log 2>&1
+    touch /tmp/t20/varlen-done
+    D=$(python3 -c "print(\",\".join(map(str, range($N))))")
+    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/spread --jobs 6 --devices $D \
+      > /tmp/t20/build-spread.log 2>&1
+    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2>&1
+    python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
+      --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
+    python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
+      --modes reentrant,nonreentrant --runs 3 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
+    touch /tmp/t20/spread-done
+    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device" \
+      > /tmp/t20/pytest-multi.log 2>&1
+    touch /tmp/t20/done' > /tmp/t20/driver.log 2>&1 < /dev/null &
+  echo "issue 20 run started in the background on $NGPU GPUs"
+fi
+if [[ $what == i20-collect ]]; then
+  [[ -d /tmp/t20 ]] || { echo "no background run in /tmp/t20 on this machine (it went cold)"; exit 3; }
+  for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t20/${I20_WAIT:-done} ]] && break; sleep 5; done
+  tar czf "$OUT/i20.tgz" -C /tmp/t20 --exclude='*.kpack' --exclude=a --exclude=tf --exclude=vb --exclude=vd \
+    --exclude=spread .
+  ls /tmp/t20; tail -3 /tmp/t20/build-*.log
+  for f in /tmp/t20/torchrun_*.log /tmp/t20/threads_spread.log /tmp/t20/checkpoint_spread.log; do
+    [[ -f $f ]] && { echo "== $f"; grep -v "^  rank" "$f" | tail -12; }
+  done
+  grep -hE "PASSED|FAILED|passed|failed" /tmp/t20/pytest-multi.log 2>/dev/null | tail -5
+fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 fi
