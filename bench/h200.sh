@@ -242,7 +242,7 @@ if [[ $what == i20-bg ]]; then
     python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
       --modes reentrant,nonreentrant --runs 3 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
     touch /tmp/t20/spread-done
-    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device" \
+    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
       > /tmp/t20/pytest-multi.log 2>&1
     touch /tmp/t20/done' > /tmp/t20/driver.log 2>&1 < /dev/null &
   echo "issue 20 run started in the background on $NGPU GPUs"
