@@ -198,10 +198,11 @@ if [[ $what == i18-collect ]]; then
   cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log; tail -15 /tmp/t18/transformers_step.log
   grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t18/pytest-new.log /tmp/t18/pytest-gpu.log | tail -24
 fi
-# Issue 20, every run on 2+ GPUs in one detached run (about 16 minutes on 2 H200s; i20-collect waits for a marker and
-# tars the results): (1) bench/torchrun_first_step.py on the single-GPU dflash artifact, 3 rounds of cold, warm,
-# pinned (tier 2), pinned-tier1, one of unpinned and unpinned-strict; (2) bench/torchrun_train.py, the transformers
-# model under torchrun: 3 rounds of pinned, one of cold, warm, unpinned, unpinned-strict; (3) the same model at a
+# Issue 20, every run on 2+ GPUs in one detached run (about 20 minutes on 2 H200s; i20-collect waits for a marker and
+# tars the results). KP_COMMIT names the commit in the JSON (the device's .git need not be it).
+# (1) bench/torchrun_first_step.py on the single-GPU dflash artifact, 3 rounds of cold, warm, pinned (tier 2), one
+# of unpinned-strict; (2) bench/torchrun_train.py, the transformers model under torchrun: 3 rounds of pinned, one of
+# cold, warm, unpinned-strict; (3) the same model at a
 # random length per rank and step, on a bucketed and on a dynamic artifact; (4) the seeds' layout: one process, a
 # thread per GPU, on a --devices artifact: threads_first_step (raw vs kernelpack) and checkpoint_threads --spread
 # (reentrant and non-reentrant checkpointing). Markers: dflash-done, tf-done, varlen-done, spread-done, done.
@@ -211,16 +212,16 @@ if [[ $what == i20-bg ]]; then
   setsid nohup bash -c '
     set -x
     N='"$NGPU"'
-    git log --oneline -1 > /tmp/t20/commit.txt 2>/dev/null
+    echo "${KP_COMMIT:-unknown}" > /tmp/t20/commit.txt
     python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/a --jobs 6 > /tmp/t20/build-dflash.log 2>&1
     python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc $N --repeats 3 \
-      --modes cold,warm,pinned,pinned-tier1,unpinned,unpinned-strict --repeats-for unpinned=1,unpinned-strict=1 \
+      --modes cold,warm,pinned,unpinned-strict --repeats-for unpinned-strict=1 \
       --timeout 300 --out /tmp/t20/torchrun_first_step.json > /tmp/t20/torchrun_first_step.log 2>&1
     touch /tmp/t20/dflash-done
     python3 bench/transformers_step.py --write-recipe /tmp/t20/tf/mistral.toml --lengths 4096,8192 > /dev/null
     python3 -m kernelpack.cli build /tmp/t20/tf/mistral.toml -o /tmp/t20/tf --jobs 4 > /tmp/t20/build-tf.log 2>&1
     python3 bench/torchrun_train.py --artifact /tmp/t20/tf/*.kpack --nproc $N --repeats 3 \
-      --modes cold,warm,pinned,unpinned,unpinned-strict --repeats-for cold=1,warm=1,unpinned=1,unpinned-strict=1 \
+      --modes cold,warm,pinned,unpinned-strict --repeats-for cold=1,warm=1,unpinned-strict=1 \
       --timeout 300 --out /tmp/t20/torchrun_train.json > /tmp/t20/torchrun_train.log 2>&1
     touch /tmp/t20/tf-done
     V="python3 bench/varlen_train.py"
@@ -240,7 +241,7 @@ if [[ $what == i20-bg ]]; then
     python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
       --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
     python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
-      --modes reentrant,nonreentrant --runs 3 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
+      --modes reentrant,nonreentrant --runs 2 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
     touch /tmp/t20/spread-done
     python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
       > /tmp/t20/pytest-multi.log 2>&1

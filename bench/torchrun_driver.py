@@ -63,12 +63,21 @@ def _job(script: str, mode: str, nproc: int, worker_args: list[str], timeout: fl
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
         cmd += [script, "--worker", mode, str(results), *worker_args]
         t = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+            stdout, stderr = proc.communicate(timeout=timeout)
             outcome = f"exit {proc.returncode}"
-            log = proc.stdout[-3000:] + proc.stderr[-3000:]
         except subprocess.TimeoutExpired:
-            outcome, log = f"no result within {timeout:.0f} s", ""
+            # torchrun starts its workers in sessions of their own: a SIGKILL would leave them on the GPUs, into the
+            # next job's numbers. SIGTERM makes torchrun stop them first.
+            proc.terminate()
+            try:
+                stdout, stderr = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+            outcome = f"no result within {timeout:.0f} s"
+        log = stdout[-3000:] + stderr[-3000:]
         ranks = [json.loads(p.read_text()) for p in sorted(results.glob("rank*.json"))]
         return {"mode": mode, "outcome": outcome, "wall": time.perf_counter() - t, "ranks": ranks, "log_tail": log}
 
@@ -90,13 +99,15 @@ def provenance() -> dict[str, str]:
     """The torch build and the kernelpack commit each row is measured at."""
     import torch
 
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        commit = ""
-    return {"torch": torch.__version__, "torch_git": torch.version.git_version, "commit": commit or "unknown"}
+    # KP_COMMIT: the device machine's copy of the tree carries a .git that need not be this commit's
+    commit = os.environ.get("KP_COMMIT", "")
+    if not commit:
+        try:
+            git = ["git", "rev-parse", "--short", "HEAD"]
+            commit = subprocess.run(git, capture_output=True, text=True, check=False).stdout.strip() + " (git)"
+        except OSError:
+            commit = "unknown"
+    return {"torch": torch.__version__, "torch_git": torch.version.git_version, "commit": commit}
 
 
 def counts(text: str) -> dict[str, int]:

@@ -8,7 +8,9 @@ Modes, each a separate ``torchrun --standalone --nproc-per-node N`` job over one
   pinned          ``runtime.pin_local_gpu()`` (each rank sees its GPU as cuda:0), then ``activate(ARTIFACT)``: the
                   precompiled tier serves what it covers (issue 18)
   pinned-tier1    the same with KERNELPACK_PRECOMPILED=0: the inductor cache serves every call
-  unpinned        rank r runs on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 miss (pytorch#170123)
+  unpinned        rank r runs on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 are not covered
+                  (pytorch#170123); after the warm-up non-strict mode refuses them too (it compiles only with
+                  warmup=False)
   unpinned-strict rank r on cuda:r, ``activate(ARTIFACT)``: ranks != 0 must raise NotPrecompiledError
 
 The first step runs every config of the artifact once (forward + backward), like bench/warm_start.py. Time to first

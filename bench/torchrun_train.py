@@ -7,8 +7,8 @@ Modes, each a ``torchrun --standalone --nproc-per-node N`` job (bench/torchrun_d
   cold            attn_implementation="flex_attention" (transformers' own torch.compile), rank r on cuda:r, empty cache
   warm            the same over a copy of the first cold job's cache: torch's native warm start
   pinned          ``runtime.pin_local_gpu()`` first, ``activate(ARTIFACT)``, attn_implementation="kernelpack"
-  unpinned        rank r on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 miss (pytorch#170123), and the
-                  report says why
+  unpinned        rank r on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 are not covered (pytorch#170123);
+                  after the warm-up non-strict mode refuses them too (it compiles only with warmup=False)
   unpinned-strict rank r on cuda:r, ``activate(ARTIFACT)``: a rank != 0 is refused, the error names the device fix
 
 A step is, by default, one batch of each length the artifact covers, in order (transformers_step.py's step).

@@ -89,9 +89,9 @@ class Loaded:
     closure constants, the global state) runs through :meth:`serves`; the caller stands in for the dropped ones (the
     call signature, the code of the mask_mod and score_mod, :func:`reads_globals`).
 
-    ``device`` is the device type the function runs on. For "cuda", the CPU thread count is taken out of torch's
-    global-state guard (:func:`_guard_thread_count`); for "cpu" it stays, since Inductor's C++ kernels are generated
-    for the builder's count."""
+    ``device`` is the device type the function runs on. For "cuda", torch's global-state guard expects the calling
+    thread's CPU thread count instead of the builder's (:func:`_guard_manager`); for "cpu" it keeps the builder's,
+    since Inductor's C++ kernels are generated for it."""
 
     def __init__(self, fn: Any, device: str = "cpu") -> None:
         self._fn = fn
@@ -103,35 +103,46 @@ class Loaded:
         if writes:
             raise RuntimeError(f"its bytecode writes the globals {writes}: not safe to call from several threads")
         fn.disable_guard_check()  # checked once per call in serves(), not again in __call__
-        self._lock = threading.Lock()
-        self._threads: int | None = None  # the thread count the guard now expects; None: torch's guard, kept
-        if device != "cpu":
-            self._threads = _guarded_thread_count(fn)
-            self._follow_thread_count()
-
-    def _follow_thread_count(self) -> None:
         import torch
 
-        threads = torch.get_num_threads()
-        with self._lock:
-            if threads != self._threads:
-                _guard_thread_count(self._fn, threads)
-                self._threads = threads
+        self._threads_now = torch.get_num_threads
+        # CUDA: a guard manager per CPU thread count, built on first need and never replaced. The count is per thread
+        # in torch (set_num_threads in one thread leaves a running one's as it was), so threads with different counts
+        # each get theirs instead of rebuilding one for each other. None: torch's own manager, for every count.
+        self._managers: dict[int, Any] | None = None
+        self._state: Any = None
+        self._lock = threading.Lock()
+        if device != "cpu":
+            self._state = _guards_state(fn)
+            self._managers = {_thread_count(self._state): fn._artifacts.guard_manager}
+
+    def _manager(self) -> Any:
+        """The guard manager for this thread's CPU thread count; None when it cannot be built (then refused)."""
+        manager = self._fn._artifacts.guard_manager
+        if self._managers is not None:
+            threads = self._threads_now()
+            manager = self._managers.get(threads)
+            if manager is None:
+                with self._lock:
+                    manager = self._managers.get(threads)
+                    if manager is None:
+                        try:
+                            manager = _guard_manager(self._fn, self._state, threads)
+                        except Exception:  # private torch API: a refusal (tier 1 serves), never the user's error
+                            return None
+                        self._managers[threads] = manager
+        return manager
 
     def serves(self, arguments: Mapping[str, Any]) -> bool:
-        if self._fn.guard_check(**arguments):
-            return True
-        import torch
-
-        if self._threads is None or self._threads == torch.get_num_threads():
-            return False
-        self._follow_thread_count()  # the job changed its thread count after the load (torch.set_num_threads)
-        return bool(self._fn.guard_check(**arguments))
+        manager = self._manager()
+        return manager is not None and bool(manager.check(self._fn.prepare_f_locals(**arguments)))
 
     def guard_failure(self, arguments: Mapping[str, Any]) -> str:
         """Which of torch's guards this call fails ("" when it passes or torch does not say)."""
         try:
-            manager = self._fn._artifacts.guard_manager
+            manager = self._manager()
+            if manager is None:
+                return f"no guard manager could be built for {self._threads_now()} CPU threads"
             return str(manager.check_verbose(self._fn.prepare_f_locals(**arguments)).verbose_code_parts)
         except Exception:  # private API: the reason is a courtesy, the refusal stands without it
             return ""
@@ -216,25 +227,24 @@ def _guards_state(fn: Any) -> Any:
     return _unpickling_guards(lambda: load_guards_state(fn._artifacts.guards_state))
 
 
-def _guarded_thread_count(fn: Any) -> int:
-    """The CPU thread count ``fn``'s saved global-state guard holds (the builder's)."""
-    return int(json.loads(_guards_state(fn).output_graph.global_state_guard.__getstate__())["num_threads"])
+def _thread_count(state: Any) -> int:
+    """The CPU thread count a saved global-state guard holds (the builder's)."""
+    return int(json.loads(state.output_graph.global_state_guard.__getstate__())["num_threads"])
 
 
-def _guard_thread_count(fn: Any, threads: int) -> None:
-    """Rebuild ``fn``'s guards with ``threads`` as the CPU thread count its global-state guard expects.
+def _guard_manager(fn: Any, state: Any, threads: int) -> Any:
+    """``fn``'s guard manager, built from its saved guards ``state`` with ``threads`` as the CPU thread count its
+    global-state guard expects.
 
     Dynamo's GLOBAL_STATE guard (GlobalStateGuard, torch/csrc/dynamo/guards.cpp) compares torch.get_num_threads()
     with the count at compile time, and a saved function keeps the builder's. torchrun sets OMP_NUM_THREADS=1 in every
     worker and a job's host has its own core count, so on 2 H200s with torch 2.11 every pinned rank's load failed
     ("GLOBAL_STATE changed: num_threads") and tier 1 served. A CUDA graph's kernels do not depend on it (tier 1's
     Inductor key does not hold it either); the rest of the global state (grad mode, autocast, TF32, deterministic
-    algorithms, default dtype) is still checked. Private torch API, the same in 2.11 and 2.13 (the lines of
-    AOTCompiledFunction.__post_init__ that build the guard manager)."""
+    algorithms, default dtype) is still checked. Private torch API, the same in 2.11 and 2.13: the call
+    AOTCompiledFunction.__post_init__ makes to build its guard manager."""
     from torch._dynamo.package import load_guard_manager
 
-    artifacts = fn._artifacts
-    state = _guards_state(fn)
     saved = state.output_graph.global_state_guard
     values = json.loads(saved.__getstate__())
     values["num_threads"] = threads
@@ -242,9 +252,7 @@ def _guard_thread_count(fn: Any, threads: int) -> None:
     guard = cls.__new__(cls)  # what pickle does: the pybind class restores itself from its JSON
     guard.__setstate__(json.dumps(values))
     state = dataclasses.replace(state, output_graph=dataclasses.replace(state.output_graph, global_state_guard=guard))
-    artifacts.guard_manager = _unpickling_guards(
-        lambda: load_guard_manager(state, artifacts.original_code, fn.fn.__globals__)
-    )
+    return _unpickling_guards(lambda: load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__))
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from kernelpack import precompiled
 from kernelpack.artifact import PRECOMPILED_DIR
 
 SCRIPT = """
-import json, sys, time, torch
+import json, sys, threading, time, torch
 from torch._dynamo.utils import counters
 from kernelpack import precompiled
 from kernelpack.artifact import PRECOMPILED_DIR
@@ -44,6 +44,15 @@ elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun'
         out["after_change"] = followed.serves(args)
         torch.set_num_threads(2)  # and back to the builder's
         out["back"] = followed.serves(args)
+        refused = []
+        def thread(count):  # torch's thread count is per thread: each keeps its own, at once with the other
+            torch.set_num_threads(count)
+            with torch.no_grad():
+                refused.extend(count for _ in range(200) if not followed.serves(args))
+        workers = [threading.Thread(target=thread, args=(n,)) for n in (1, 3)]
+        [t.start() for t in workers]
+        [t.join() for t in workers]
+        out["refused_in_threads"] = refused
         args["query"] = args["query"][:, :, :-1]  # another shape: the rest of the guards still refuse
         out["other_shape"] = followed.serves(args)
     print(json.dumps(out))
@@ -66,30 +75,21 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     root = str(Path(__file__).parent.parent)  # this checkout's kernelpack, whatever is installed
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
     blob = tmp_path / "fn.bin"
-    subprocess.run([sys.executable, str(script), str(recipe), "save", str(blob)], env=env, check=True, timeout=600)
-    proc = subprocess.run(
-        [sys.executable, str(script), str(recipe), "load", str(blob)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def run(mode: str) -> dict:
+        cmd = [sys.executable, str(script), str(recipe), mode, str(blob)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1]) if mode != "save" else {}
+
+    run("save")
+    out = run("load")
     assert out["equal"] and out["frames"] == 0, out
     # issue 20: torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
     # the job's thread count (its kernels do not depend on it); a CPU one keeps torch's guard on it
-    proc = subprocess.run(
-        [sys.executable, str(script), str(recipe), "threads", str(blob)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run("threads")
     assert not out["kept"] and "num_threads" in out["why"], out
     assert out["followed"] and out["equal"] and out["after_change"] and out["back"], out
+    assert out["refused_in_threads"] == [], out
     assert not out["other_shape"], out
 
 
