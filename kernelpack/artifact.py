@@ -880,10 +880,42 @@ def check_members(path: str | Path) -> MemberCheck:
             for member in iter_members(path, manifest):
                 if member.link_to is None:
                     member.write(sink)
+        _check_frame_end(str(path))
     except ArtifactError as e:
         e.hint = "the artifact is damaged (install would refuse it): download, copy or rebuild it again"
         raise
     return MemberCheck(manifest, len(manifest.files), manifest.total_size)
+
+
+def _check_frame_end(path: str) -> None:
+    """The file must end exactly where its zstd frame ends. A cut of 1 to 3 bytes falls inside the frame's 4-byte
+    checksum: the decoder has every block by then and reports no error at EOF, and every member's hash is right, so
+    only walking the frame's block headers (RFC 8878, 3.1.1.2) to its end tells. Trailing bytes after the frame are
+    refused too: the builder writes one frame and nothing after it."""
+    import zstandard
+
+    with open(path, "rb") as f, _wrap_errors(path):
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(18)  # a frame header's maximum size
+        params = zstandard.get_frame_parameters(head)
+        pos = zstandard.frame_header_size(head)
+        while True:
+            f.seek(pos)
+            block = f.read(3)
+            if len(block) < 3:
+                raise ArtifactError(path, f"truncated artifact: {size} bytes end inside the zstd frame's blocks")
+            header = int.from_bytes(block, "little")
+            last, kind, block_size = header & 1, (header >> 1) & 3, header >> 3
+            if kind == 3:
+                raise ArtifactError(path, f"corrupt artifact: reserved zstd block type at byte {pos}")
+            pos += 3 + (1 if kind == 1 else block_size)  # an RLE block stores its one byte
+            if last:
+                break
+        end = pos + (4 if params.has_checksum else 0)
+    if end > size:
+        raise ArtifactError(path, f"truncated artifact: {size} bytes, its zstd frame ends at byte {end} (checksum cut)")
+    if end < size:
+        raise ArtifactError(path, f"corrupt artifact: {size - end} bytes after the end of its zstd frame")
 
 
 def unpack(path: str | Path, dest: Path) -> Manifest:

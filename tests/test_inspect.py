@@ -98,3 +98,26 @@ def test_check_members_finds_damage_past_the_last_member(tmp_path: Path) -> None
     bad.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="checksum"):
         check_members(bad)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5])
+def test_check_members_finds_a_file_cut_inside_the_frame_checksum(tmp_path: Path, cut: int) -> None:
+    """A cut of 1 to 3 bytes falls inside zstd's 4-byte frame checksum: the decoder has every block, every member's
+    sha256 is right, and only the frame walk tells (cut 5 reaches the last block)."""
+    from kernelpack.artifact import check_members
+    from kernelpack.errors import ArtifactError
+
+    bad = tmp_path / "cut.kpack"
+    bad.write_bytes(FIXTURE.read_bytes()[:-cut])
+    with pytest.raises(ArtifactError, match="truncated"):
+        check_members(bad)
+
+
+def test_check_members_refuses_bytes_after_the_frame(tmp_path: Path) -> None:
+    from kernelpack.artifact import check_members
+    from kernelpack.errors import ArtifactError
+
+    bad = tmp_path / "tail.kpack"
+    bad.write_bytes(FIXTURE.read_bytes() + b"\0" * 7)
+    with pytest.raises(ArtifactError, match="7 bytes after the end"):
+        check_members(bad)
