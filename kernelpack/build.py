@@ -423,7 +423,6 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
 def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple[int, int] | None:
     """For a dynamic range config: the first of the lengths the builder checks tier 1 at (both ends, 2 random ones)
     where the aot-compiled function's guards fail, or None (a fixed-length config: None)."""
-    import dataclasses
 
     import torch
 
@@ -431,7 +430,7 @@ def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple
     from .masks import block_mask_for
 
     for q, kv in range_lengths(config, 2, seed=int(config.id, 16)):
-        at = dataclasses.replace(config, q_len=q, kv_len=kv)
+        at = config.at(q, kv)
         with torch.set_grad_enabled(graph == "fwd+bwd"):
             args = arguments(at, make_inputs(at, device, graph, random=False), block_mask_for(at, device))
             if not fn.guard_check(**args):

@@ -258,6 +258,10 @@ class Config(CallParams):
         different lengths where they can be (:func:`_lengths`), so the two read apart."""
         return self.q_range is not None and self.q_range == self.kv_range and self.q_len == self.kv_len
 
+    def at(self, q_len: int, kv_len: int) -> Config:
+        """This config's call at other lengths (a length of a range config's range: its canonical call there)."""
+        return dataclasses.replace(self, q_len=q_len, kv_len=kv_len)
+
     def covers_lengths(self, q_len: int, kv_len: int) -> bool:
         """Whether this config's lengths include (q_len, kv_len): its ranges for a dynamic range config (q_len ==
         kv_len for a ``seq_len`` range), else exactly its own."""

@@ -78,7 +78,7 @@ def run_config(
         return result
     before = snapshot()
     for i, (q, kv) in enumerate(lengths):
-        at = dataclasses.replace(config, q_len=q, kv_len=kv)
+        at = config.at(q, kv)
         errors = _run_config(at, device, check=check and i < 2).errors
         result.errors.update({f"{k}@{q}x{kv}": v for k, v in errors.items()})
     return dataclasses.replace(result, lengths=list(lengths), lengths_counters=delta(before, snapshot()))
@@ -145,7 +145,7 @@ def run_precompiled(
         _sync(device)
         seconds = time.perf_counter() - start
         for q, kv in lengths or ():
-            at = dataclasses.replace(config, q_len=q, kv_len=kv)
+            at = config.at(q, kv)
             at_inputs = make_inputs(at, device, graph)
             at_dout = grad_output(at_inputs[0]) if graph == "fwd+bwd" else None
             canonical_call(loaded.checked, at, graph, at_inputs, block_mask_for(at, device), at_dout)
