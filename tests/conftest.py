@@ -1,8 +1,12 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import subprocess
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +39,25 @@ def smoke_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert main(["build", str(SMOKE), "-o", str(out), "--jobs", "2"]) == 0
     (artifact,) = out.glob("*.kpack")
     return artifact
+
+
+def run_json(
+    cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 600, cwd: Path | None = None
+) -> Any:
+    """Run ``cmd`` in a fresh process (a job script, a scenario, a bench script) and return the JSON value on the last
+    line of its stdout. ``env`` is added to this process's environment. A non-zero exit fails the test with the end of
+    the process's stderr."""
+    proc = subprocess.run(
+        list(cmd),
+        env=None if env is None else {**os.environ, **env},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def has_cuda() -> bool:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from conftest import run_json
 
 CODE = """
 import json, sys, torch
@@ -32,10 +31,8 @@ print(json.dumps(out))
 
 
 def run(tmp_path: Path, mode: str) -> dict:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"), TORCHINDUCTOR_COMPILE_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CODE, mode], env=env, capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    return run_json([sys.executable, "-c", CODE, mode], env=env)
 
 
 def test_dense_path_and_cold_compile_are_seen_then_a_warm_start_is_clean(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import repack
+from conftest import repack, run_json
 
 from kernelpack import artifact as art
 from kernelpack.build import build_recipe as build
@@ -85,9 +85,8 @@ def test_cold_compile_is_seen_by_the_triton_listener(tmp_path: Path) -> None:
         f"c = load_recipe({str(RECIPE)!r}).configs[0]; s = evidence.snapshot(); run_config(c, 'cuda:0', check=False);"
         "print(json.dumps(evidence.delta(s, evidence.snapshot())))"
     )
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_COMPILE_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    d = json.loads(out.strip().splitlines()[-1])
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    d = run_json([sys.executable, "-c", code], env=env)
     assert d["triton_compiled"] > 0 and d["inductor.fxgraph_cache_miss"] >= 2
 
 
@@ -217,15 +216,7 @@ def test_tier_2_serves_every_device_index_and_every_pinned_rank(gpu_artifact: Pa
     assert multi is not None
     job = tmp_path / "threads.py"
     job.write_text(THREADS_OVER_GPUS_JOB)
-    proc = subprocess.run(
-        [sys.executable, str(job), str(multi), str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json([sys.executable, str(job), str(multi), str(tmp_path / "c")])
     assert out["errors"] == [] and out["frames"] == 0 and out["tier1"] == [], out
     assert {t for _, t in out["served"]} == {"precompiled"}, out
     assert {d for d in devices if any(f"cuda:{d} " in g for g, _ in out["served"])} == set(devices), out
@@ -342,8 +333,7 @@ def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path:
     built = build(recipe, tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
     replay = [*job, "--artifact", str(built.artifact), "--cache", str(tmp_path / "cache")]
-    out = subprocess.run(replay, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = run_json(replay, env=env)
     assert result["compiles_in_steps"] == 0 and result["misses_in_steps"] == 0, result
 
 
@@ -368,8 +358,7 @@ def test_a_transformers_model_trains_at_random_lengths_with_no_compile(kind: str
     else:
         assert len(report["configs"]) == 4, report  # 256, 512, 768, 1024
     run = [*script, "--artifact", str(built.artifact), "--steps", "12"]
-    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True, timeout=600).stdout
-    result = json.loads(out.strip().splitlines()[-1])
+    result = run_json(run, env=env)
     assert result["compiles_in_steps"] == 0 and result["misses_in_steps"] == 0, result
     assert result["padded"] == (kind == "buckets"), result
     lengths = {s["len"] for s in result["steps"]}
@@ -397,8 +386,7 @@ def test_a_drafters_anchor_mask_is_served_by_one_dynamic_graph_at_every_length(
     job = tmp_path / "job.py"
     job.write_text(ANCHOR_JOB)
     cmd = [sys.executable, str(job), str(built.artifact), str(tmp_path / "cache"), "cuda"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
-    out = json.loads(proc.stdout.splitlines()[-1])
+    out = run_json(cmd)
     assert len(set(out["lengths"])) >= 8 and out["compiles"] == 0 and out["missed"] == 0, out
     assert out["max_error"] < 1e-2, out  # float32 inputs, TF32 matmuls
     (served,) = out["served"]
@@ -449,8 +437,7 @@ def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_arti
     runs = {}
     for tier, env in (("2", {}), ("1", {"KERNELPACK_PRECOMPILED": "0"})):
         cmd = [sys.executable, "-c", TIER_JOB, str(gpu_artifact), str(tmp_path / f"c{tier}"), str(tmp_path / tier)]
-        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600, check=True)
-        runs[tier] = json.loads(proc.stdout.strip().splitlines()[-1])
+        runs[tier] = run_json(cmd, env=env)
     assert runs["2"]["frames"] == 0 and runs["2"]["tiers"] == ["precompiled"], runs
     assert runs["2"]["precompiled"] == graphs and runs["2"]["tier1"] == [], runs
     assert runs["1"]["tiers"] == ["inductor-cache"] and runs["1"]["precompiled"] == 0, runs

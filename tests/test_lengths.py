@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_json
 from test_runtime import scenario
 
 from kernelpack.artifact import read_manifest
@@ -356,15 +357,7 @@ def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
     assert built.artifact is not None and not built.failed
     job = tmp_path / "job.py"
     job.write_text(ANCHOR_JOB)
-    proc = subprocess.run(
-        [sys.executable, str(job), str(built.artifact), str(tmp_path / "cache")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json([sys.executable, str(job), str(built.artifact), str(tmp_path / "cache")])
     assert len(set(out["lengths"])) >= 8 and out["compiles"] == 0 and out["missed"] == 0, out
     assert out["max_error"] < 1e-4, out
     assert sum(s["calls"] for s in out["served"]) == 10 and len(out["served"]) >= 2, out

@@ -3,13 +3,12 @@ loaded again in a fresh process with the tier-1 cache, bitwise equal and with no
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_json
 
 from kernelpack import precompiled
 from kernelpack.artifact import PRECOMPILED_DIR
@@ -73,15 +72,13 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     script = tmp_path / "s.py"
     script.write_text(SCRIPT)
     root = str(Path(__file__).parent.parent)  # this checkout's kernelpack, whatever is installed
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root}
     blob = tmp_path / "fn.bin"
 
     def run(mode: str) -> dict:
-        cmd = [sys.executable, str(script), str(recipe), mode, str(blob)]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=True)
-        return json.loads(proc.stdout.strip().splitlines()[-1]) if mode != "save" else {}
+        return run_json([sys.executable, str(script), str(recipe), mode, str(blob)], env=env)
 
-    run("save")
+    subprocess.run([sys.executable, str(script), str(recipe), "save", str(blob)], env=env, check=True, timeout=600)
     out = run("load")
     assert out["equal"] and out["frames"] == 0, out
     # issue 20: torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
@@ -164,16 +161,7 @@ print(json.dumps({
 
 def _job(artifact: Path, cache: Path, out: Path, **env: str) -> dict:
     root = str(Path(__file__).parent.parent)
-    proc = subprocess.run(
-        [sys.executable, "-c", JOB, str(artifact), str(cache), str(out)],
-        env={**os.environ, "PYTHONPATH": root, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json([sys.executable, "-c", JOB, str(artifact), str(cache), str(out)], env={"PYTHONPATH": root, **env})
 
 
 def _tiers(result: dict) -> dict[str, str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_json
 
 from kernelpack import closures, evidence
 from kernelpack.cli import main
@@ -229,9 +229,7 @@ def _record(tmp_path: Path, mode: str) -> Path:
 
 def _replay(artifact: Path, mode: str, tmp_path: Path) -> dict:
     cmd = [sys.executable, "train.py", mode, "--artifact", str(artifact), "--cache", str(tmp_path / f"cache-{mode}")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json(cmd)
 
 
 def test_a_users_block_recorded_from_its_script_builds_and_replays_with_no_miss(

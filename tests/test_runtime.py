@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_json
 
 from kernelpack import runtime
 from kernelpack.artifact import BuiltConfig, Manifest, read_manifest
@@ -23,16 +22,7 @@ REPO = Path(__file__).parent.parent
 
 
 def scenario(name: str, artifact: Path, tmp_path: Path, **env: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIOS), name, str(artifact), str(tmp_path / "cache")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env={**os.environ, **env},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_json([sys.executable, str(SCENARIOS), name, str(artifact), str(tmp_path / "cache")], env=env)
     assert "crash" not in out, out.get("traceback")
     return out
 
