@@ -177,6 +177,15 @@ class InstallError(KernelpackError, OSError):
         super().__init__(f"{target}: {message}", hint=hint or "check permissions and free space of the cache directory")
 
 
+# A call whose nearest covered signature differs only in the device index (pytorch#170123): strict and non-strict
+# refusals give this fix
+DEVICE_HINT = (
+    "this config is built, but for other device indices (inductor's cache keys contain cuda:N): pin each worker's GPU "
+    "as cuda:0 with kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build with --devices covering this "
+    "one"
+)
+
+
 class NotPrecompiledError(KernelpackError, RuntimeError):
     """Strict mode: this call's config/device is not covered by the active artifact, so it would cold-compile."""
 
@@ -204,11 +213,7 @@ class NotPrecompiledError(KernelpackError, RuntimeError):
         )
         field, _covered, value = only if only is not None else (None, None, None)
         if field == "device_index":
-            hint = (
-                "this config is built, but for other device indices (inductor's cache keys contain cuda:N): pin each "
-                "worker's GPU as cuda:0 with kernelpack.runtime.pin_local_gpu() before CUDA initializes, or build "
-                "with --devices covering this one"
-            )
+            hint = DEVICE_HINT
         elif field == "graph" and value == "fwd":
             hint = (
                 "this config is built for the training graph only, and this is a forward-only call (no_grad, or "

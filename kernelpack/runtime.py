@@ -63,7 +63,7 @@ from .compiled import (
     trace_settings,
     wait_for_foreign_fx_trace,
 )
-from .errors import KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
+from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
 from .masks import block_mask_for, score_mod_for
 from .recipe import Config
@@ -982,6 +982,8 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
             "add it to the recipe and rebuild; non-strict mode compiles uncovered calls only with "
             "activate(warmup=False), where no other thread runs backward while a first call compiles"
         )
+        if coverage.only is not None and coverage.only[0] == "device_index":
+            hint = DEVICE_HINT
     elif warmed in warm.skipped:
         reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[warmed]}"
     else:

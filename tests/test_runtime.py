@@ -229,6 +229,19 @@ def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs()
     assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint
 
 
+def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too() -> None:
+    """Non-strict mode after the warm-up refuses an uncovered call as well (NotWarmedError: tracing it could hang
+    threads); an unpinned torchrun rank on cuda:3 must get the same device fix as in strict mode, not "add it to the
+    recipe"."""
+    manifest = _built_on_device_0(DFLASH)
+    err = runtime._not_warmed(runtime.Warmup(background=False), manifest.covers(_signature(3)), {})
+    assert "device_index 0 vs 3" in str(err) and "pin_local_gpu()" in err.hint and "--devices" in err.hint
+    other_shape = runtime._not_warmed(
+        runtime.Warmup(background=False), manifest.covers(_signature(3, q_len=2048, kv_len=2048)), {}
+    )
+    assert "add it to the recipe" in other_shape.hint
+
+
 def test_refusal_of_a_forward_only_call_against_a_training_only_artifact_names_the_graph_fix() -> None:
     """Reentrant checkpointing runs the forward under no_grad: against `backward = true` (fwd+bwd only) that call is
     refused, and the hint says to add the forward graph or checkpoint without reentrancy."""
