@@ -202,10 +202,10 @@ fi
 # tars the results). KP_COMMIT names the commit in the JSON (the device's .git need not be it).
 # (1) bench/torchrun_first_step.py on the single-GPU dflash artifact, 3 rounds of cold, warm, pinned (tier 2), one
 # of unpinned-strict; (2) bench/torchrun_train.py, the transformers model under torchrun: 3 rounds of pinned, one of
-# cold, warm, unpinned-strict; (3) the same model at a
-# random length per rank and step, on a bucketed and on a dynamic artifact; (4) the seeds' layout: one process, a
-# thread per GPU, on a --devices artifact: threads_first_step (raw vs kernelpack) and checkpoint_threads --spread
-# (reentrant and non-reentrant checkpointing). Markers: dflash-done, tf-done, varlen-done, spread-done, done.
+# cold, warm, unpinned-strict; (3) the same model at a random length per rank and step, on a bucketed and on a
+# dynamic artifact; (4) the seeds' layout: one process, a thread per GPU, on a --devices artifact: threads_first_step
+# (raw vs kernelpack) and checkpoint_threads --spread (reentrant and non-reentrant checkpointing); then the multi-GPU
+# tests. Markers: dflash-done, tf-done, varlen-done, spread-done, done.
 if [[ $what == i20-bg ]]; then
   NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   rm -rf /tmp/t20; mkdir -p /tmp/t20/a /tmp/t20/tf /tmp/t20/vb /tmp/t20/vd /tmp/t20/spread
