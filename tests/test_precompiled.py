@@ -3,6 +3,7 @@ loaded again in a fresh process with the tier-1 cache, bitwise equal and with no
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,8 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     def run(mode: str) -> dict:
         return run_json([sys.executable, str(script), str(recipe), mode, str(blob)], env=env)
 
-    subprocess.run([sys.executable, str(script), str(recipe), "save", str(blob)], env=env, check=True, timeout=600)
+    save = [sys.executable, str(script), str(recipe), "save", str(blob)]
+    subprocess.run(save, env={**os.environ, **env}, check=True, timeout=600)
     out = run("load")
     assert out["equal"] and out["frames"] == 0, out
     # issue 20: torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
