@@ -870,8 +870,9 @@ class MemberCheck:
 def check_members(path: str | Path) -> MemberCheck:
     """Read the whole artifact and check every member against its manifest, writing nothing: each listed file
     present once, with its size and sha256, no member that is not listed, and a stream that is neither truncated nor
-    corrupt (tarfile reads whole 10 KiB records, so the tar's end and zstd's frame checksum are read too). The same
-    checks as an install (:func:`iter_members`), without a target and without torch: ``kernelpack inspect --verify``.
+    corrupt (tarfile reads whole 10 KiB records, so the tar's end and zstd's frame checksum are read too). An
+    install's checks (:func:`iter_members`), without a target and without torch, plus one an install does not need
+    (its members are whole either way): the file ends where its zstd frame ends. ``kernelpack inspect --verify``.
 
     Raises :class:`ArtifactError` naming the first bad member."""
     manifest = read_manifest(path)
@@ -882,7 +883,7 @@ def check_members(path: str | Path) -> MemberCheck:
                     member.write(sink)
         _check_frame_end(str(path))
     except ArtifactError as e:
-        e.hint = "the artifact is damaged (install would refuse it): download, copy or rebuild it again"
+        e.hint = "the artifact is damaged: download, copy or rebuild it again"
         raise
     return MemberCheck(manifest, len(manifest.files), manifest.total_size)
 

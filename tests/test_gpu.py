@@ -256,7 +256,7 @@ def test_a_transformers_model_trains_under_torchrun_on_every_pinned_rank(tmp_pat
     out = tmp_path / "torchrun.json"
     cmd = [sys.executable, str(bench / "torchrun_train.py"), "--artifact", str(built.artifact), "--nproc", str(_gpus())]
     cmd += ["--modes", "pinned,unpinned-strict,unpinned", "--steps", "2", "--timeout", "600", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=2400, check=False)  # 3 jobs of <= 600 s
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ranks = {r["mode"]: sorted(r["ranks"], key=lambda k: k["rank"]) for r in json.loads(out.read_text())["results"]}
     pinned = ranks["pinned"]

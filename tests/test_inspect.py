@@ -103,7 +103,7 @@ def test_check_members_finds_damage_past_the_last_member(tmp_path: Path) -> None
 @pytest.mark.parametrize("cut", [1, 2, 3, 5])
 def test_check_members_finds_a_file_cut_inside_the_frame_checksum(tmp_path: Path, cut: int) -> None:
     """A cut of 1 to 3 bytes falls inside zstd's 4-byte frame checksum: the decoder has every block, every member's
-    sha256 is right, and only the frame walk tells (cut 5 reaches the last block)."""
+    sha256 is right, and only the frame walk tells (a cut of 5 reaches the last block: the decoder tells then)."""
     from kernelpack.artifact import check_members
     from kernelpack.errors import ArtifactError
 
