@@ -248,12 +248,61 @@ if [[ $what == i20-bg ]]; then
     touch /tmp/t20/done' > /tmp/t20/driver.log 2>&1 < /dev/null &
   echo "issue 20 run started in the background on $NGPU GPUs"
 fi
+# The rest of issue 20 after the i20-bg run at 7de78cf (which ran out of device time after item 4's bucketed run), most
+# needed first: (4b) the seeds' layout, checkpoint_threads --spread on a --devices artifact; (5) the multi-GPU tests;
+# (4) the dynamic artifact under torchrun at random lengths; then threads_first_step --spread (raw vs kernelpack).
+# About 13 minutes on 2 H200s by that run's timings, then 3 more for a probe of the torchrun tier-2 time (below).
+# Markers: ckpt-done, tests-done, varlen-done, done, probe-done; the driver's
+# process group id is in driver.pid (i20-stop kills it: a pkill -f pattern would also match the calling shell's own
+# command line).
+if [[ $what == i20-rest-bg ]]; then
+  NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  rm -rf /tmp/t20; mkdir -p /tmp/t20/spread /tmp/t20/vd
+  setsid nohup bash -c '
+    set -x
+    N='"$NGPU"'
+    echo "${KP_COMMIT:-unknown}" > /tmp/t20/commit.txt
+    D=$(python3 -c "print(\",\".join(map(str, range($N))))")
+    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/spread --jobs 6 --devices $D \
+      > /tmp/t20/build-spread.log 2>&1
+    python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
+      --modes reentrant,nonreentrant --runs 2 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
+    touch /tmp/t20/ckpt-done
+    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
+      > /tmp/t20/pytest-multi.log 2>&1
+    touch /tmp/t20/tests-done
+    V="python3 bench/varlen_train.py"
+    $V --write-recipe /tmp/t20/vd/dynamic.toml --min 1024 --max 4096 > /dev/null
+    python3 -m kernelpack.cli build /tmp/t20/vd/dynamic.toml -o /tmp/t20/vd --jobs 2 > /tmp/t20/build-dynamic.log 2>&1
+    python3 bench/torchrun_train.py --artifact /tmp/t20/vd/*.kpack --nproc $N --modes pinned --steps 8 \
+      --random 1024:4096 --timeout 300 --out /tmp/t20/torchrun_varlen_dynamic.json > /tmp/t20/torchrun_varlen_dynamic.log 2>&1
+    touch /tmp/t20/varlen-done
+    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2>&1
+    python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
+      --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
+    touch /tmp/t20/done
+    # Why tier 2 under torchrun was 0.94-0.98x native warm at 7de78cf against 0.61x in one process: the pinned mode
+    # with 16 CPU threads per rank (torchrun keeps an OMP_NUM_THREADS it is given) and with one rank
+    mkdir -p /tmp/t20/a
+    python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/a --jobs 6 > /tmp/t20/build-dflash.log 2>&1
+    OMP_NUM_THREADS=16 python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc $N --repeats 2 \
+      --modes pinned --timeout 300 --out /tmp/t20/torchrun_omp16.json > /tmp/t20/torchrun_omp16.log 2>&1
+    python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc 1 --repeats 2 \
+      --modes pinned --timeout 300 --out /tmp/t20/torchrun_1rank.json > /tmp/t20/torchrun_1rank.log 2>&1
+    touch /tmp/t20/probe-done' > /tmp/t20/driver.log 2>&1 < /dev/null &
+  echo $! > /tmp/t20/driver.pid
+  echo "issue 20 (rest) started in the background on $NGPU GPUs"
+fi
+if [[ $what == i20-stop && -f /tmp/t20/driver.pid ]]; then
+  kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null; sleep 3; kill -KILL -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
+  echo "stopped the issue 20 run"
+fi
 if [[ $what == i20-collect ]]; then
   [[ -d /tmp/t20 ]] || { echo "no background run in /tmp/t20 on this machine (it went cold)"; exit 3; }
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t20/${I20_WAIT:-done} ]] && break; sleep 5; done
   tar czf "$OUT/i20.tgz" -C /tmp/t20 --exclude='*.kpack' --exclude=a --exclude=tf --exclude=vb --exclude=vd \
-    --exclude=spread .
-  ls /tmp/t20; tail -3 /tmp/t20/build-*.log
+    --exclude=spread --exclude=driver.pid .
+  ls /tmp/t20; tail -n 3 /tmp/t20/build-*.log
   for f in /tmp/t20/torchrun_*.log /tmp/t20/threads_spread.log /tmp/t20/checkpoint_spread.log; do
     [[ -f $f ]] && { echo "== $f"; grep -v "^  rank" "$f" | tail -12; }
   done

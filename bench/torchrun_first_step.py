@@ -104,6 +104,9 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
     if mode not in ("cold", "warm"):
         out["report"] = runtime.report().summary()
         out["tiers"] = sorted({s["tier"] for s in runtime.report().to_dict()["served"]})
+        # each first call's seconds, in call order: where a tier-2 warm-up's time goes (the first load's imports)
+        out["first_call_s"] = [round(c.seconds, 3) for c in runtime.report().first_calls]
+        out["warmup_s"] = runtime.report().warmup_seconds
     Path(result_dir, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
     dist.destroy_process_group()
 
