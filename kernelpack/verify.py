@@ -121,8 +121,8 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         # nothing, and give tier 1's outputs
         tier2: list[tuple[PrecompiledResult, Any]] = []
         lengths = range_lengths(config, n_lengths, seed)
-        for graph in config.graphs:
-            entry = built.precompiled_for(index, graph)
+        entries = {graph: built.precompiled_for(index, graph) for graph in config.graphs}
+        for graph, entry in entries.items():
             if entry is not None and tier2_off is None:
                 path = str(Path(result.cache_dir, entry.path))
                 tier2.append(run_precompiled(config, device, path, graph, lengths))
@@ -131,8 +131,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
         tiers: dict[str, dict[str, Any]] = {}
-        for graph in config.graphs:
-            entry = built.precompiled_for(index, graph)
+        for graph, entry in entries.items():
             why = tier2_off if entry is not None else built.not_precompiled or "no precompiled function"
             tiers[graph] = {"tier": "inductor-cache", "why": why}
         for r, outputs in tier2:
