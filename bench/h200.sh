@@ -265,7 +265,7 @@ if [[ $what == i20-rest-bg ]]; then
     D=$(python3 -c "print(\",\".join(map(str, range($N))))")
     python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/spread --jobs 6 --devices $D \
       > /tmp/t20/build-spread.log 2>&1
-    python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
+    python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 120 \
       --modes reentrant,nonreentrant --runs 2 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
     touch /tmp/t20/ckpt-done
     python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
