@@ -303,10 +303,11 @@ if [[ $what == i20-collect ]]; then
   tar czf "$OUT/i20.tgz" -C /tmp/t20 --exclude='*.kpack' --exclude=a --exclude=tf --exclude=vb --exclude=vd \
     --exclude=spread --exclude=driver.pid .
   ls /tmp/t20; tail -n 3 /tmp/t20/build-*.log
-  for f in /tmp/t20/torchrun_*.log /tmp/t20/threads_spread.log /tmp/t20/checkpoint_spread.log; do
-    [[ -f $f ]] && { echo "== $f"; grep -v "^  rank" "$f" | tail -12; }
+  for f in /tmp/t20/torchrun_*.json; do [[ -f $f ]] && python3 bench/torchrun_summary.py "$f"; done
+  for f in /tmp/t20/threads_spread.log /tmp/t20/checkpoint_spread.log; do
+    [[ -f $f ]] && { echo "== $f"; tail -12 "$f"; }
   done
-  grep -hE "PASSED|FAILED|passed|failed" /tmp/t20/pytest-multi.log 2>/dev/null | tail -5
+  grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t20/pytest-multi.log 2>/dev/null | tail -8
 fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
