@@ -237,7 +237,7 @@ if [[ $what == i20-bg ]]; then
     D=$(python3 -c "print(\",\".join(map(str, range($N))))")
     python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/spread --jobs 6 --devices $D \
       > /tmp/t20/build-spread.log 2>&1
-    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2>&1
+    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2> /tmp/t20/verify-spread.err
     python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
       --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
     python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 200 \
@@ -251,11 +251,15 @@ fi
 # The rest of issue 20 after the i20-bg run at 7de78cf (which ran out of device time after item 4's bucketed run), most
 # needed first: (4b) the seeds' layout, checkpoint_threads --spread on a --devices artifact; (5) the multi-GPU tests;
 # (4) the dynamic artifact under torchrun at random lengths; then threads_first_step --spread (raw vs kernelpack).
-# About 13 minutes on 2 H200s by that run's timings, then 3 more for a probe of the torchrun tier-2 time (below).
+# About 13 minutes on 2 H200s by that run's timings, then 4 more for a probe of the torchrun tier-2 time (below).
+# The GPU tests' torchrun test may take up to 2400 s if it hangs: collect with I20_WAIT=ckpt-done, then tests-done.
 # Markers: ckpt-done, tests-done, varlen-done, done, probe-done; the driver's
 # process group id is in driver.pid (i20-stop kills it: a pkill -f pattern would also match the calling shell's own
 # command line).
 if [[ $what == i20-rest-bg ]]; then
+  if [[ -f /tmp/t20/driver.pid ]] && kill -0 -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null; then
+    echo "an issue 20 run is still going (process group $(cat /tmp/t20/driver.pid)): i20-stop first"; exit 3
+  fi
   NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   rm -rf /tmp/t20; mkdir -p /tmp/t20/spread /tmp/t20/vd
   setsid nohup bash -c '
@@ -281,21 +285,24 @@ if [[ $what == i20-rest-bg ]]; then
     python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
       --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
     touch /tmp/t20/done
-    # Why tier 2 under torchrun was 0.94-0.98x native warm at 7de78cf against 0.61x in one process: the pinned mode
-    # with 16 CPU threads per rank (torchrun keeps an OMP_NUM_THREADS it is given) and with one rank
+    # Why tier 2 under torchrun took 5.4-6.0 s at 7de78cf (0.93-0.98x native warm) against 4.1 s at f4dc3f8 on the
+    # same kind of host: pinned as it ran then (the control, in this same session), with 16 CPU threads per rank
+    # (torchrun keeps an OMP_NUM_THREADS it is given), and with one rank (at 1 thread: torchrun sets it only for 2+)
     mkdir -p /tmp/t20/a
     python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/t20/a --jobs 6 > /tmp/t20/build-dflash.log 2>&1
-    OMP_NUM_THREADS=16 python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc $N --repeats 2 \
-      --modes pinned --timeout 300 --out /tmp/t20/torchrun_omp16.json > /tmp/t20/torchrun_omp16.log 2>&1
-    python3 bench/torchrun_first_step.py --artifact /tmp/t20/a/*.kpack --nproc 1 --repeats 2 \
-      --modes pinned --timeout 300 --out /tmp/t20/torchrun_1rank.json > /tmp/t20/torchrun_1rank.log 2>&1
+    P="python3 bench/torchrun_first_step.py --artifact $(ls /tmp/t20/a/*.kpack) --repeats 2 --modes pinned --timeout 300"
+    $P --nproc $N --out /tmp/t20/torchrun_control.json > /tmp/t20/torchrun_control.log 2>&1
+    OMP_NUM_THREADS=16 $P --nproc $N --out /tmp/t20/torchrun_omp16.json > /tmp/t20/torchrun_omp16.log 2>&1
+    OMP_NUM_THREADS=1 $P --nproc 1 --out /tmp/t20/torchrun_1rank.json > /tmp/t20/torchrun_1rank.log 2>&1
     touch /tmp/t20/probe-done' > /tmp/t20/driver.log 2>&1 < /dev/null &
   echo $! > /tmp/t20/driver.pid
   echo "issue 20 (rest) started in the background on $NGPU GPUs"
 fi
 if [[ $what == i20-stop && -f /tmp/t20/driver.pid ]]; then
   kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null; sleep 3; kill -KILL -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
-  echo "stopped the issue 20 run"
+  # torchrun starts its workers in sessions of their own: they stop through torchrun's SIGTERM handler, not this kill
+  echo "stopped the issue 20 run; processes left on the GPUs:"
+  nvidia-smi --query-compute-apps=pid,name --format=csv
 fi
 if [[ $what == i20-collect ]]; then
   [[ -d /tmp/t20 ]] || { echo "no background run in /tmp/t20 on this machine (it went cold)"; exit 3; }
@@ -303,7 +310,9 @@ if [[ $what == i20-collect ]]; then
   tar czf "$OUT/i20.tgz" -C /tmp/t20 --exclude='*.kpack' --exclude=a --exclude=tf --exclude=vb --exclude=vd \
     --exclude=spread --exclude=driver.pid .
   ls /tmp/t20; tail -n 3 /tmp/t20/build-*.log
-  for f in /tmp/t20/torchrun_*.json; do [[ -f $f ]] && python3 bench/torchrun_summary.py "$f"; done
+  for f in /tmp/t20/torchrun_*.log; do  # the table from its JSON; a job that wrote none shows its log
+    if [[ -f ${f%.log}.json ]]; then python3 bench/torchrun_summary.py "${f%.log}.json"; else echo "== $f"; tail -12 "$f"; fi
+  done
   for f in /tmp/t20/threads_spread.log /tmp/t20/checkpoint_spread.log; do
     [[ -f $f ]] && { echo "== $f"; tail -12 "$f"; }
   done

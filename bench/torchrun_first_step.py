@@ -77,6 +77,8 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
         "device": device,
         "gpu_uuid": str(torch.cuda.get_device_properties(device).uuid) if cuda else None,
         "setup_s": import_s,
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "num_threads": torch.get_num_threads(),
     }
     t0 = time.perf_counter()
     try:
@@ -104,8 +106,8 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
     if mode not in ("cold", "warm"):
         out["report"] = runtime.report().summary()
         out["tiers"] = sorted({s["tier"] for s in runtime.report().to_dict()["served"]})
-        # each first call's seconds, in call order: where a tier-2 warm-up's time goes (the first load's imports)
-        out["first_call_s"] = [round(c.seconds, 3) for c in runtime.report().first_calls]
+        # each first call and its seconds, in call order: where a tier-2 warm-up's time goes (the first load's imports)
+        out["first_calls"] = [[c.signature.describe(), round(c.seconds, 3)] for c in runtime.report().first_calls]
         out["warmup_s"] = runtime.report().warmup_seconds
         # torch's compile records, whole: the first pinned job on a machine has counted one more than its signatures
         out["compiles"] = runtime.report().to_dict()["compiles"]
