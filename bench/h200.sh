@@ -252,7 +252,7 @@ fi
 # needed first: (4b) the seeds' layout, checkpoint_threads --spread on a --devices artifact; (5) the multi-GPU tests;
 # (4) the dynamic artifact under torchrun at random lengths; then threads_first_step --spread (raw vs kernelpack).
 # About 13 minutes on 2 H200s by that run's timings, then 4 more for a probe of the torchrun tier-2 time (below).
-# The GPU tests' torchrun test may take up to 2400 s if it hangs: collect with I20_WAIT=ckpt-done, then tests-done.
+# The GPU tests are bounded at 900 s: collect with I20_WAIT=ckpt-done, then tests-done, then the rest.
 # Markers: ckpt-done, tests-done, varlen-done, done, probe-done; the driver's
 # process group id is in driver.pid (i20-stop kills it: a pkill -f pattern would also match the calling shell's own
 # command line).
@@ -272,8 +272,9 @@ if [[ $what == i20-rest-bg ]]; then
     python3 bench/checkpoint_threads.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 120 \
       --modes reentrant,nonreentrant --runs 2 --out /tmp/t20/checkpoint_spread.json > /tmp/t20/checkpoint_spread.log 2>&1
     touch /tmp/t20/ckpt-done
-    python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
-      > /tmp/t20/pytest-multi.log 2>&1
+    # bounded: the torchrun test allows its jobs 2400 s; timeout signals its whole process group (torchrun included)
+    timeout -k 30 900 python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 \
+      -k "tier_2 or multi_device or torchrun" > /tmp/t20/pytest-multi.log 2>&1
     touch /tmp/t20/tests-done
     V="python3 bench/varlen_train.py"
     $V --write-recipe /tmp/t20/vd/dynamic.toml --min 1024 --max 4096 > /dev/null
@@ -281,7 +282,7 @@ if [[ $what == i20-rest-bg ]]; then
     python3 bench/torchrun_train.py --artifact /tmp/t20/vd/*.kpack --nproc $N --modes pinned --steps 8 \
       --random 1024:4096 --timeout 300 --out /tmp/t20/torchrun_varlen_dynamic.json > /tmp/t20/torchrun_varlen_dynamic.log 2>&1
     touch /tmp/t20/varlen-done
-    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2>&1
+    python3 -m kernelpack.cli verify --json /tmp/t20/spread/*.kpack > /tmp/t20/verify-spread.json 2> /tmp/t20/verify-spread.err
     python3 bench/threads_first_step.py --artifact /tmp/t20/spread/*.kpack --threads $N --spread --timeout 240 \
       --modes raw,kernelpack --out /tmp/t20/threads_spread.json > /tmp/t20/threads_spread.log 2>&1
     touch /tmp/t20/done
@@ -298,8 +299,12 @@ if [[ $what == i20-rest-bg ]]; then
   echo $! > /tmp/t20/driver.pid
   echo "issue 20 (rest) started in the background on $NGPU GPUs"
 fi
-if [[ $what == i20-stop && -f /tmp/t20/driver.pid ]]; then
-  kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null; sleep 3; kill -KILL -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
+if [[ $what == i20-stop ]]; then
+  [[ -f /tmp/t20/driver.pid ]] || { echo "no issue 20 run on this machine"; exit 3; }
+  kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
+  # the GPU tests' timeout runs in a process group of its own: it passes the TERM on to pytest and torchrun
+  pkill -TERM -f '^timeout -k 30 900 python3 -m pytest'
+  sleep 3; kill -KILL -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
   # torchrun starts its workers in sessions of their own: they stop through torchrun's SIGTERM handler, not this kill
   echo "stopped the issue 20 run; processes left on the GPUs:"
   nvidia-smi --query-compute-apps=pid,name --format=csv
