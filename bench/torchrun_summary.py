@@ -19,7 +19,8 @@ def served(ranks: list[dict[str, Any]]) -> str:
     seen: list[str] = []
     for r in ranks:
         if not r.get("ok"):
-            text = r.get("error", "failed").split(":")[0] + " (refused)"
+            kind = r.get("error", "failed").split(":")[0]
+            text = kind + (" (refused)" if kind in ("NotPrecompiledError", "NotWarmedError") else " (failed)")
         elif "compiles_in_steps" in r:  # torchrun_train: torch's compile records outside kernelpack's warm-up
             text = f"{r['compiles_in_steps']} compiles in the steps"
         else:
