@@ -423,7 +423,6 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
 def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple[int, int] | None:
     """For a dynamic range config: the first of the lengths the builder checks tier 1 at (both ends, 2 random ones)
     where the aot-compiled function's guards fail, or None (a fixed-length config: None)."""
-
     import torch
 
     from .canonical import arguments, make_inputs
