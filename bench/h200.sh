@@ -299,6 +299,18 @@ if [[ $what == i20-rest-bg ]]; then
   echo $! > /tmp/t20/driver.pid
   echo "issue 20 (rest) started in the background on $NGPU GPUs"
 fi
+# Issue 20: where activate()'s seconds go in one process over every GPU (a --devices artifact): fresh processes,
+# without and with Dynamo's imports and the CUDA contexts paid before it (bench/activate_phases.py)
+if [[ $what == activate-phases ]]; then
+  NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+  D=$(python3 -c "print(','.join(map(str, range($NGPU))))")
+  rm -rf /tmp/ap; mkdir -p /tmp/ap
+  python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/ap --jobs 6 --devices $D > "$OUT/build-ap.log" 2>&1
+  tail -1 "$OUT/build-ap.log"
+  for p in "" --prepared "" --prepared; do
+    python3 bench/activate_phases.py --artifact /tmp/ap/*.kpack --runs 1 $p --out "$OUT/activate_phases.jsonl"
+  done
+fi
 if [[ $what == i20-stop ]]; then
   [[ -f /tmp/t20/driver.pid ]] || { echo "no issue 20 run on this machine"; exit 3; }
   kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
