@@ -19,7 +19,7 @@ a step is then one batch per length of the artifact).
 A step runs every config of the artifact once (each thread starts at another config), forward + backward, with the
 BlockMask rebuilt every step as the drafters do. The clock starts after ``import torch`` and CUDA init:
 ``activate_s`` is install + warm-up (and, when nothing before it paid them, Dynamo's imports and the other GPUs' CUDA
-contexts: about 4.4 s on a 2-H200 host, bench/activate_phases.py), ``first_step_s`` the first step of all threads
+contexts: about 4.4 s more on a 2-H200 host, bench/activate_phases.py), ``first_step_s`` the first step of all threads
 (wall), ``second_step_s`` the next.
 During the steps, torch's counters must show no compile at all: no FX-graph or AOTAutograd miss, no Triton kernel
 and no Dynamo frame compiled (a Dynamo re-trace of flex would count there); ``refused`` lists calls the guard refused.
