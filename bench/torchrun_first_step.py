@@ -109,7 +109,8 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
         # each first call and its seconds, in call order: where a tier-2 warm-up's time goes (the first load's imports)
         out["first_calls"] = [[c.signature.describe(), round(c.seconds, 3)] for c in runtime.report().first_calls]
         out["warmup_s"] = runtime.report().warmup_seconds
-        # torch's compile records, whole: the first pinned job of a run has counted one more than its signatures
+        # torch's compile records, whole: the first pinned job over a new artifact counted 1-2 more than its signatures
+        # (backward records on the autograd engine's thread, none missed: docs/BENCHMARKS.md, issue 20)
         out["compiles"] = runtime.report().to_dict()["compiles"]
     Path(result_dir, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
     dist.destroy_process_group()
