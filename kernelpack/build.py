@@ -425,6 +425,7 @@ def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple
     where the aot-compiled function's guards fail, or None (a fixed-length config: None)."""
     import torch
 
+    from . import precompiled
     from .canonical import arguments, make_inputs
     from .masks import block_mask_for
 
@@ -432,7 +433,7 @@ def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple
         at = config.at(q, kv)
         with torch.set_grad_enabled(graph == "fwd+bwd"):
             args = arguments(at, make_inputs(at, device, graph, random=False), block_mask_for(at, device))
-            if not fn.guard_check(**args):
+            if not precompiled.guards_pass(fn, args):
                 return q, kv
     return None
 

@@ -13,10 +13,12 @@ The lowest runtime mechanism, with no knowledge of artifacts: :mod:`kernelpack.r
 - :func:`dynamo_hit` asks Dynamo's own guards, before a call, whether Dynamo would serve it from a graph it already
   has or trace it again: only the second runs make_fx (and, for a training graph, ``torch.autograd.grad``).
 - The gate: many steady-state calls at once, or one first call alone. Alone matters: while one thread compiles,
-  AOTAutograd's make_fx sets torch.fx's *process-global* tracing flag, and a compiled call entered by another thread
-  at that moment raises "Detected that you are using FX to symbolically trace a dynamo-optimized function" or, with
-  ``error_on_nested_fx_trace=False``, silently runs uncompiled (dense). Every wait at the gate is bounded: a thread
-  inside a backward pass (:func:`in_backward`) may be the autograd engine thread the first call is waiting for.
+  AOTAutograd's make_fx traces with torch.fx, whose tracing state reaches other threads (all of it on torch <= 2.13,
+  where a compiled call entered by another thread then raises "Detected that you are using FX to symbolically trace
+  a dynamo-optimized function" or, with ``error_on_nested_fx_trace=False``, silently runs uncompiled: dense; the
+  module patcher on every release: :mod:`kernelpack._torch.fx`), and a Dynamo trace of a fwd+bwd call runs
+  ``torch.autograd.grad``, which waits for the autograd engine's device thread. Every wait at the gate is bounded: a
+  thread inside a backward pass (:func:`in_backward`) may be the autograd engine thread the first call waits for.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 from . import settings
+from ._torch import dynamo as _dynamo
+from ._torch import flex as _flex
+from ._torch import fx as _fx
+from ._torch.autograd import in_backward
+from ._torch.inductor import key_settings
 from .errors import KernelpackError
+
+__all__ = ["in_backward", "key_settings"]  # re-exported: the runtime's and the builder's words for them
 
 DEFAULT_RECOMPILE_LIMIT = 64
 _recompile_floor = DEFAULT_RECOMPILE_LIMIT
@@ -54,15 +63,9 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
             if fn is None:
                 import torch
 
-                fn = torch.compile(_eager_flex(), dynamic=dynamic, mode=None if mode == "default" else mode)
+                fn = torch.compile(_flex.eager_flex(), dynamic=dynamic, mode=None if mode == "default" else mode)
                 _compiled[key] = fn
     return fn
-
-
-def _eager_flex() -> Callable[..., Any]:
-    from torch.nn.attention.flex_attention import flex_attention as eager_flex
-
-    return eager_flex  # type: ignore[no-any-return]
 
 
 # ------------------------------------------------------------------------------------------------ Dynamo's entries
@@ -74,53 +77,29 @@ def frame_locals(arguments: Mapping[str, Any]) -> dict[str, Any]:
     """The locals of flex_attention's frame for a call with these (named) arguments: what Dynamo's guards read."""
     global _defaults
     if _defaults is None:
-        params = inspect.signature(_eager_flex()).parameters.values()
+        params = inspect.signature(_flex.eager_flex()).parameters.values()
         _defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     return {**_defaults, **arguments}
 
 
-def dynamo_entries(mode: str = "default", dynamic: bool = False) -> list[Any] | None:
+def dynamo_entries(mode: str = "default", dynamic: bool = False) -> list[Any]:
     """Dynamo's cache entries that a call through :func:`compiled_flex_attention` with these options may use, most
-    recent first; None where this torch does not expose them (``_debug_get_cache_entry_list``, torch >= 2.4).
+    recent first.
 
     Dynamo keeps one list per code object, so the entries of the user's own ``torch.compile(flex_attention)`` are
     there too. Dynamo's lookup skips an entry whose backend differs from the caller's, so only entries whose backend
     equals ours (an inductor wrapper with the same mode and options, compared by value as Dynamo does) are kept."""
-    try:
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError:  # pragma: no cover - torch < 2.4
-        return None
-    backend = _backend(mode, dynamic)
-    if backend is None:
-        return None
-    return [e for e in _debug_get_cache_entry_list(_eager_flex().__code__) if e.backend == backend]
-
-
-_backends: dict[tuple[str, bool], Any] = {}
-
-
-def _backend(mode: str, dynamic: bool) -> Any:
-    """The backend torch.compile gives these options; None if this torch's private wrapper is not there."""
-    key = (mode, dynamic)
-    if key not in _backends:
-        try:
-            from torch import _TorchCompileInductorWrapper
-
-            _backends[key] = _TorchCompileInductorWrapper(None if mode == "default" else mode, None, dynamic)
-        except Exception:
-            _backends[key] = None
-    return _backends[key]
+    backend = _dynamo.inductor_backend(None if mode == "default" else mode, dynamic)
+    return [e for e in _dynamo.cache_entries(_flex.eager_flex().__code__) if _dynamo.entry_backend(e) == backend]
 
 
 def serving_entry(arguments: Mapping[str, Any], mode: str = "default", dynamic: bool = False) -> Any:
     """The guard manager of the entry Dynamo would serve this call from (the first of ours whose guards pass, as in
     Dynamo's lookup), or None: it would trace. Ask in the thread that makes the call: guards read its grad mode and
-    autocast state. Raises RuntimeError where torch cannot tell."""
-    entries = dynamo_entries(mode, dynamic)
-    if entries is None:
-        raise RuntimeError("this torch does not expose Dynamo's cache entries")
+    autocast state."""
     f_locals = frame_locals(arguments)
-    return next((e.guard_manager for e in entries if e.guard_manager.check(f_locals)), None)
+    guards = (_dynamo.entry_guards(e) for e in dynamo_entries(mode, dynamic))
+    return next((g for g in guards if _dynamo.guards_pass(g, f_locals)), None)
 
 
 def dynamo_hit(
@@ -129,17 +108,13 @@ def dynamo_hit(
     """The entry (guard manager) of ``served_by`` (recorded by :func:`serving_entry`) that Dynamo would serve a call
     with these arguments from, if it still has it, found by running Dynamo's own guards on the frame the call would
     make; False when none would (Dynamo would trace). Only those entries count: an entry someone else compiled may be
-    a graph the artifact does not cover. None where torch cannot tell (old torch).
+    a graph the artifact does not cover.
 
     Costs ~20 us for a dozen entries (CPU, torch 2.13): each failing entry stops at its first failing guard."""
-    entries = dynamo_entries(mode, dynamic)
-    if entries is None:
-        return None
     f_locals = frame_locals(arguments)
-    # a recorded entry Dynamo no longer has (torch._dynamo.reset()) would not serve the call: Dynamo would trace
-    return next(
-        (e.guard_manager for e in entries if e.guard_manager in served_by and e.guard_manager.check(f_locals)), False
-    )
+    # a recorded entry Dynamo no longer has (after a Dynamo reset) would not serve the call: Dynamo would trace
+    guards = (_dynamo.entry_guards(e) for e in dynamo_entries(mode, dynamic))
+    return next((g for g in guards if g in served_by and _dynamo.guards_pass(g, f_locals)), False)
 
 
 @contextlib.contextmanager
@@ -157,33 +132,16 @@ def trace_settings(dynamic: bool) -> Iterator[None]:
     if not dynamic:
         yield
         return
-    import torch._dynamo.config as dynamo_config
-    import torch.fx.experimental._config as fx_config
-
     # Floats specialized, as in a static graph: a dynamic float (flex's scale) is traced into a graph AOTAutograd
     # cannot cache, compiled again in every process (CPU, torch 2.13: one AOTAutograd miss per fresh process).
-    with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):  # type: ignore[attr-defined]
+    with _dynamo.dynamic_trace_settings():
         yield
 
 
-def guard_failure(guard_manager: Any, arguments: Mapping[str, Any]) -> str:
-    """The first guard of an entry that a call fails, in Dynamo's words (e.g. ``tensor 'L['query']' stride mismatch
-    at index 1``); empty when it passes or torch cannot say."""
-    try:
-        verbose = guard_manager.check_verbose(frame_locals(arguments))
-    except Exception:
-        return ""
-    if verbose.result:
-        return ""
-    return "; ".join(str(p).split("  #")[0].strip() for p in verbose.verbose_code_parts)
-
-
-def in_backward() -> bool:
-    """Whether this thread is running a backward pass (an autograd engine thread, or a backward on the CPU): the
-    thread that a first call's make_fx + ``torch.autograd.grad`` may be waiting for."""
-    import torch
-
-    return bool(torch._C._current_graph_task_id() != -1)
+def guard_failure(guards: Any, arguments: Mapping[str, Any]) -> str:
+    """The first guard of an entry (its guards, as :func:`serving_entry` gives them) that a call fails, in Dynamo's
+    words (e.g. ``tensor 'L['query']' stride mismatch at index 1``); empty when it passes or torch cannot say."""
+    return _dynamo.guard_failure(guards, frame_locals(arguments))
 
 
 # ------------------------------------------------------------------------------------------------ recompile floor
@@ -213,73 +171,17 @@ def recompile_floor() -> int:
 
 
 def apply_thread_config() -> None:
-    import torch._dynamo.config as dconfig
-
-    # ``cache_size_limit`` before torch 2.7; ``recompile_limit`` (with the old name as an alias) since.
-    name = "recompile_limit" if hasattr(dconfig, "recompile_limit") else "cache_size_limit"
-    if getattr(dconfig, name) < _recompile_floor:
-        setattr(dconfig, name, _recompile_floor)
-        acc = "accumulated_recompile_limit" if hasattr(dconfig, "accumulated_recompile_limit") else None
-        if acc and getattr(dconfig, acc) < 4 * _recompile_floor:
-            setattr(dconfig, acc, 4 * _recompile_floor)
+    _dynamo.raise_recompile_limit(_recompile_floor)
 
 
 # ------------------------------------------------------------------------------------------ settings in the keys
 
 
-def key_settings(device_type: str) -> dict[str, str]:
-    """The process-wide settings that enter inductor's FX-graph and AOTAutograd cache keys besides the graph and its
-    inputs (torch/_inductor/codecache.py ``FxGraphHashDetails``, torch 2.11-2.13), as ``name -> repr``: every
-    portable inductor and functorch config value, deterministic algorithms, the default dtype, the CUDA matmul
-    precision flags, and on CPU the thread count C++ kernels specialize on. A process whose settings differ from the
-    builder's misses every entry, whatever kernelpack's call signatures say."""
-    import torch
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    def portable(module: Any) -> dict[str, Any]:
-        try:
-            return dict(module.save_config_portable(ignore_private_configs=False))
-        except TypeError:  # torch < 2.7: no ignore_private_configs
-            return dict(module.save_config_portable())
-
-    out: dict[str, str] = {}
-    for prefix, module in (("inductor", inductor_config), ("functorch", functorch_config)):
-        for name, value in portable(module).items():
-            out[f"{prefix}.{name}"] = _stable_repr(value)
-    # one value per key: a kernelpack that records one more setting must not change the ones recorded before
-    deterministic = getattr(torch.utils, "deterministic", None)
-    out["deterministic_algorithms"] = repr(torch.are_deterministic_algorithms_enabled())
-    out["deterministic_algorithms_warn_only"] = repr(torch.is_deterministic_algorithms_warn_only_enabled())
-    out["fill_uninitialized_memory"] = repr(getattr(deterministic, "fill_uninitialized_memory", None))
-    out["default_dtype"] = str(torch.get_default_dtype())
-    matmul = torch.backends.cuda.matmul
-    for name in (
-        "fp32_precision",  # torch >= 2.9; allow_tf32 before
-        "allow_tf32",
-        "allow_fp16_reduced_precision_reduction",
-        "allow_bf16_reduced_precision_reduction",
-    ):
-        if hasattr(matmul, name):
-            out[f"cuda_matmul.{name}"] = repr(getattr(matmul, name))
-    if (
-        device_type == "cpu"
-        and inductor_config.cpp.threads < 1
-        and not getattr(inductor_config.cpp, "dynamic_threads", False)
-    ):
-        out["cpu_threads"] = str(torch.get_num_threads())
-    return out
-
-
-def _stable_repr(value: Any) -> str:
-    # a function or object repr carries its address, different in every process: its type stands in
-    text = repr(value)
-    return f"<{type(value).__qualname__}>" if " at 0x" in text or " object at " in text else text
-
-
 def key_settings_differences(built: Mapping[str, str], device_type: str) -> list[tuple[str, str, str]]:
-    """(name, builder's value, this process's value) for every key setting that differs; names one side lacks are
-    skipped (another torch build is refused by the build key, not here)."""
+    """(name, builder's value, this process's value) for every setting in inductor's cache keys
+    (:func:`key_settings`) that differs; names one side lacks are skipped (another torch build is refused by the
+    build key, not here). A process whose settings differ from the builder's misses every entry, whatever
+    kernelpack's call signatures say."""
     here = key_settings(device_type)
     return [(name, built[name], here[name]) for name in sorted(built) if name in here and here[name] != built[name]]
 
@@ -350,21 +252,19 @@ def outside_first_calls() -> contextlib.AbstractContextManager[None]:
 
 
 def wait_for_foreign_fx_trace(limit: float | None = None) -> None:
-    """torch.fx's tracing flag is process-global: if another thread is FX-tracing right now, a compiled call would
-    raise or (error_on_nested_fx_trace=False) run uncompiled. Wait for it, bounded by ``limit`` (default
-    KERNELPACK_FX_WAIT_SECONDS)."""
-    from torch.fx import _symbolic_trace
-
-    if not _symbolic_trace._is_fx_tracing_flag:
+    """While another thread FX-traces, a compiled call in this one may raise, run uncompiled, or fail every warmed
+    entry's guards (:func:`kernelpack._torch.fx.foreign_trace` says when, per torch version). Wait for the trace to
+    end, bounded by ``limit`` (default KERNELPACK_FX_WAIT_SECONDS)."""
+    if not _fx.foreign_trace():
         return
     if limit is None:
         limit = settings.fx_wait_seconds()
     deadline = time.monotonic() + limit
-    while _symbolic_trace._is_fx_tracing_flag:
+    while _fx.foreign_trace():
         if time.monotonic() > deadline:
             raise KernelpackError(
                 f"another thread has been FX-tracing for over {limit:.0f} s; a compiled call now would run "
-                "flex_attention uncompiled",
+                "flex_attention uncompiled or trace it again",
                 hint="do not FX-trace (torch.fx.symbolic_trace, make_fx) in parallel with the first steps, or raise "
                 + (
                     "KERNELPACK_BACKWARD_WAIT_SECONDS (this call is inside a backward pass)"

@@ -38,6 +38,18 @@ class KernelpackWarning(UserWarning):
     """Something will work, but not as well as it could (e.g. an artifact installed despite a key mismatch)."""
 
 
+class TorchUnsupportedError(KernelpackError, RuntimeError):
+    """This torch lacks (or changed) something kernelpack relies on: names the torch version, what is missing and
+    the versions kernelpack supports, instead of an AttributeError from deep inside a call."""
+
+    def __init__(self, torch_version: str, what: str, supported: str) -> None:
+        self.torch_version, self.what, self.supported = torch_version, what, supported
+        super().__init__(
+            f"torch {torch_version} is not supported by this kernelpack: {what}",
+            hint=f"kernelpack supports torch {supported}: install one of those, or upgrade kernelpack",
+        )
+
+
 class SettingError(KernelpackError, ValueError):
     """An environment variable kernelpack reads has a value it cannot use."""
 

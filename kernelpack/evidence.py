@@ -1,31 +1,29 @@
-"""Evidence that a process compiled nothing and never ran flex_attention's dense path, read from torch itself.
+"""Evidence that a process compiled nothing and never ran flex_attention's dense path, read from torch itself
+(:mod:`kernelpack._torch` reads it: the names and versions are there).
 
-- FX-graph / AOTAutograd cache hits and misses: ``torch._dynamo.utils.counters`` (torch's own counters).
-- A Triton kernel really compiled: Triton's ``knobs.compilation.listener`` with ``cache_hit=False`` (a disk-cache
-  load reports ``cache_hit=True``). Inductor's ``async_compile_cache_miss`` is NOT that signal: it counts every
-  ``AsyncCompile.triton()`` call, warm FX-graph hits included.
-- A C++ kernel really compiled: ``CppBuilder.build`` runs only when the .so is missing.
-- The dense path: flex_attention's eager implementation (``sdpa_dense``, registered for
-  CompositeExplicitAutograd on the higher-order op) called with real tensors, which materializes the full
+- FX-graph / AOTAutograd cache hits and misses: torch's own process-wide counters.
+- A Triton kernel really compiled: Triton's compile listener with ``cache_hit=False`` (a disk-cache load reports
+  ``cache_hit=True``). Inductor's ``async_compile_cache_miss`` is NOT that signal: it counts every Triton compile
+  call inductor makes, warm FX-graph hits included.
+- A C++ kernel really compiled: inductor's C++ build of a kernel runs only when the .so is missing (not counting the
+  preprocessor runs it makes on warm starts).
+- The dense path: flex_attention's eager implementation called with real tensors, which materializes the full
   ``[B, H, Q, KV]`` score matrix.
 
 The listener and the wrapper see in-process work only; run with ``TORCHINDUCTOR_COMPILE_THREADS=1`` (the verifier
 does) so inductor compiles in-process, or compiles in its worker pool go unseen.
 
-Per compile (:func:`watch_compiles`, what the runtime reports): Dynamo's compile callbacks
-(``torch._dynamo.callback.on_compile_start/on_compile_end``) run in the compiling thread around every frame compile
-and every lazy backward compile, with its compile id; the counts of that compile's FX-graph and AOTAutograd cache
-hits and misses are read from its own compilation metrics (the thread's ``MetricsContext``, or the
-``CompilationMetrics`` torch records after it), so compiles in concurrent threads are told apart, where the
-process-global counters above are not. Kernels compiled and dense calls are charged to the compile or call in
-flight in the thread that made them.
+Per compile (:func:`watch_compiles`, what the runtime reports): torch records metrics for every frame compile and
+every lazy backward compile, in the compiling thread, with its compile id and the counts of that compile's FX-graph
+and AOTAutograd cache hits and misses; so compiles in concurrent threads are told apart, where the process-wide
+counters above are not. Dynamo's compile-start callback lets the runtime refuse a compile before it runs. Kernels
+compiled and dense calls are charged to the compile or call in flight in the thread that made them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import os
 import sys
@@ -35,23 +33,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._torch import dynamo as _dynamo
+from ._torch import flex as _flex
+from ._torch import inductor as _inductor
+from ._torch import triton as _triton
 from .errors import DenseFallbackError, KernelpackError
 
 _lock = threading.Lock()
 _installed = False
 own = Counter[str]()  # OWN_COUNTERS
 
-TORCH_COUNTERS = (
-    ("inductor", "fxgraph_cache_hit"),
-    ("inductor", "fxgraph_cache_miss"),
-    ("inductor", "fxgraph_cache_bypass"),
-    ("aot_autograd", "autograd_cache_hit"),
-    ("aot_autograd", "autograd_cache_miss"),
-    ("aot_autograd", "autograd_cache_bypass"),
-    ("inductor", "async_compile_cache_miss"),
-    ("inductor", "triton_bundler_read_and_emit_kernel"),
-    ("frames", "ok"),
-)
 OWN_COUNTERS = (
     "triton_compiled",
     "triton_cache_loaded",
@@ -86,9 +77,7 @@ def set_refuse_dense(refuse: bool) -> None:
 
 
 def snapshot() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    snap = {f"{group}.{name}": int(counters[group][name]) for group, name in TORCH_COUNTERS}
+    snap = _dynamo.counter_values()
     snap.update({name: int(own[name]) for name in OWN_COUNTERS})
     return snap
 
@@ -116,62 +105,24 @@ def compiled_anything(d: dict[str, int]) -> list[str]:
 
 def _hook_triton() -> None:
     global triton_detection
-    try:
-        import triton
-    except ImportError:
-        triton_detection = "no triton"
-        return
-    try:
-        from triton import knobs  # triton >= 3.4
-    except ImportError:
-        knobs = None
-    if knobs is not None:
-        previous = knobs.compilation.listener
 
-        def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
-            own["triton_cache_loaded" if cache_hit else "triton_compiled"] += 1
-            if not cache_hit:
-                _charge("triton_compiled")
-            if previous is not None:
-                previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+    def kernel(cache_hit: bool) -> None:
+        own["triton_cache_loaded" if cache_hit else "triton_compiled"] += 1
+        if not cache_hit:
+            _charge("triton_compiled")
 
-        knobs.compilation.listener = listener
-        triton_detection = "knobs.compilation.listener"
-        return
-    # Older triton (3.2/3.3, shipped with torch 2.6-2.8): compile() reaches the backend's add_stages only on a miss.
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend
-    except ImportError:
-        triton_detection = f"unavailable (triton {triton.__version__})"
-        return
-    original = CUDABackend.add_stages
-
-    @functools.wraps(original)
-    def add_stages(self: Any, *args: Any, **kwargs: Any) -> Any:
-        own["triton_compiled"] += 1
-        _charge("triton_compiled")
-        return original(self, *args, **kwargs)
-
-    CUDABackend.add_stages = add_stages  # type: ignore[method-assign]
-    triton_detection = "CUDABackend.add_stages"
+    triton_detection = _triton.watch_compiles(kernel)
 
 
 def _hook_cpp() -> None:
-    from torch._inductor import cpp_builder
-
-    original = cpp_builder.CppBuilder.build
-
-    @functools.wraps(original)
-    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Inductor runs the preprocessor (gcc -E) on warm starts too, to hash headers: not a kernel compile.
-        if getattr(self, "_preprocessing", False):
-            own["cpp_preprocessed"] += 1
-        else:
+    def build(compiled: bool) -> None:
+        if compiled:
             own["cpp_compiled"] += 1
             _charge("cpp_compiled")
-        return original(self, *args, **kwargs)
+        else:
+            own["cpp_preprocessed"] += 1
 
-    cpp_builder.CppBuilder.build = build  # type: ignore[method-assign]
+    _inductor.watch_cpp_builds(build)
 
 
 def dense_score_bytes(query: Any, key: Any) -> int:
@@ -181,44 +132,23 @@ def dense_score_bytes(query: Any, key: Any) -> int:
 
 
 def _hook_dense() -> None:
-    from torch._C import DispatchKey
-    from torch._higher_order_ops.flex_attention import flex_attention as hop
-    from torch._subclasses.fake_tensor import FakeTensor
+    def dense(query: Any, key: Any) -> None:
+        nbytes = dense_score_bytes(query, key)
+        own["dense_calls"] += 1
+        own["dense_bytes"] += nbytes
+        _record_dense(query, key, nbytes)
+        if _refuse_dense:
+            raise DenseFallbackError(
+                f"flex_attention was about to run its dense math path (not compiled): a {tuple(query.shape)} x "
+                f"{tuple(key.shape)} call would materialize {_human(nbytes)} of float32 scores",
+                score_bytes=nbytes,
+            )
 
-    key = DispatchKey.CompositeExplicitAutograd
-    original = hop.py_kernels[key]
-
-    @functools.wraps(original)
-    def dense(query: Any, key_: Any, *args: Any, **kwargs: Any) -> Any:
-        # Tracing runs this with fake tensors to learn output shapes; only real tensors mean the dense math ran.
-        if not isinstance(query, FakeTensor) and not _is_functional(query):
-            nbytes = dense_score_bytes(query, key_)
-            own["dense_calls"] += 1
-            own["dense_bytes"] += nbytes
-            _record_dense(query, key_, nbytes)
-            if _refuse_dense:
-                raise DenseFallbackError(
-                    f"flex_attention was about to run its dense math path (not compiled): a {tuple(query.shape)} x "
-                    f"{tuple(key_.shape)} call would materialize {_human(nbytes)} of float32 scores",
-                    score_bytes=nbytes,
-                )
-        return original(query, key_, *args, **kwargs)
-
-    hop.py_kernels[key] = dense
-    # HOPs cache resolved kernels per dispatch key; drop the cache so the wrapper is used.
-    cache = getattr(hop, "_dispatch_cache", None)
-    if isinstance(cache, dict):
-        cache.clear()
+    _flex.watch_dense_calls(dense)
 
 
 def _human(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _is_functional(t: Any) -> bool:
-    import torch
-
-    return bool(torch._is_functional_tensor(t)) if hasattr(torch, "_is_functional_tensor") else False
 
 
 # ------------------------------------------------------------------------------------------------ per compile
@@ -300,8 +230,8 @@ compile_detection = "not installed"  # how compiles are seen: verify and the rep
 
 def watch_compiles(on_record: OnRecord | None = None, on_start: OnStart | None = None) -> None:
     """Record every compile from now on (idempotent), and route each to ``on_record`` / ``on_start`` (replacing
-    earlier ones; None keeps the one in place). The records come from ``CompilationMetrics.create``, which torch
-    calls in the compiling thread once per compile, concurrent compiles included; Dynamo's compile-start callback
+    earlier ones; None keeps the one in place). The records come from torch's per-compile metrics, which torch
+    makes in the compiling thread once per compile, concurrent compiles included; Dynamo's compile-start callback
     gives ``on_start`` the frame about to be compiled, but torch runs it only for the first of compiles in flight at
     once (its pending counter is process-wide), so a refusal there is best effort."""
     global _on_record, _on_start, compile_detection
@@ -342,63 +272,32 @@ def tagged(tag: Any) -> Iterator[Any]:
 
 
 def _hook_compiles() -> str:
-    from torch._dynamo import utils as dynamo_utils
-
-    metrics_class = getattr(dynamo_utils, "CompilationMetrics", None)
-    create = getattr(metrics_class, "create", None)
-    if create is None:  # torch < 2.6
-        return "unavailable (no CompilationMetrics.create)"
-    original = create.__func__
-
-    @functools.wraps(original)
-    def recorded(cls: Any, metrics: dict[str, Any]) -> Any:
-        made = original(cls, metrics)
-        try:
-            _record_compile(made)
-        except Exception:  # evidence must never break a compile
-            import logging
-
-            logging.getLogger(__name__).debug("kernelpack could not record a compile", exc_info=True)
-        return made
-
-    metrics_class.create = classmethod(recorded)  # type: ignore[union-attr]
-    with contextlib.suppress(ImportError, AttributeError):
-        from torch._dynamo.callback import callback_handler, on_compile_start
-
-        on_compile_start(_compile_starting)
-        # torch._dynamo.reset() clears every compile callback: register ours again right after
-        clear = callback_handler.clear
-
-        @functools.wraps(clear)
-        def clear_then_watch() -> None:
-            clear()
-            on_compile_start(_compile_starting)
-
-        callback_handler.clear = clear_then_watch  # type: ignore[method-assign]
-    return "CompilationMetrics.create"
+    detection = _dynamo.watch_compile_metrics(_record_compile)
+    with contextlib.suppress(ImportError, AttributeError):  # without it, compiles are recorded but not refusable
+        _dynamo.watch_compile_starts(_compile_starting)
+    return detection
 
 
 def ensure_watching() -> None:
-    """Register the compile-start callback again if ``torch._dynamo.reset()`` cleared it (it clears every callback;
-    the metrics hook, a class attribute, survives)."""
-    if compile_detection != "CompilationMetrics.create":
+    """Register the compile-start callback again if a Dynamo reset cleared it (it clears every callback; the
+    metrics hook survives)."""
+    if compile_detection != _dynamo.COMPILE_DETECTION:
         return
     with contextlib.suppress(ImportError, AttributeError):
-        from torch._dynamo.callback import callback_handler, on_compile_start
+        _dynamo.ensure_watching_starts(_compile_starting)
 
-        if _compile_starting not in callback_handler.start_callbacks:
-            on_compile_start(_compile_starting)
+
+def per_compile_counts() -> bool:
+    """Whether compiles are told apart by torch's per-compile metrics (else only process-wide counters exist)."""
+    return compile_detection == _dynamo.COMPILE_DETECTION
 
 
 def _compile_starting(*args: Any) -> None:
-    # torch >= 2.7 passes CallbackArgs(callback_trigger, compile_id); only Dynamo's own frame compiles are refusable
     _tls.pending = Counter()  # what a kernel build outside any compile left behind is not this compile's
-    trigger = getattr(args[0], "callback_trigger", None) if args else None
-    if _on_start is None or getattr(trigger, "name", "DYNAMO") != "DYNAMO" or getattr(_tls, "tag", None) is not None:
-        return
-    frame = _compiled_frame()
+    if _on_start is None or not _dynamo.is_frame_compile(*args) or getattr(_tls, "tag", None) is not None:
+        return  # only Dynamo's own frame compiles are refusable, and not kernelpack's own
     try:
-        _on_start(frame.f_locals if frame is not None else None)
+        _on_start(_dynamo.compiled_frame_locals())
     except KernelpackError:  # the runtime's refusal (strict mode)
         raise
     except Exception:  # the policy must never break a compile it does not mean to refuse
@@ -407,38 +306,31 @@ def _compile_starting(*args: Any) -> None:
         logging.getLogger(__name__).debug("kernelpack's compile-start check failed", exc_info=True)
 
 
-def _record_compile(m: Any) -> None:
-    def count(name: str) -> int | None:
-        value = getattr(m, name, None)
-        return None if value is None and not hasattr(m, name) else int(value or 0)
-
-    frame = _compiled_frame()
-    start, end = getattr(m, "start_time_us", None), getattr(m, "end_time_us", None)
+def _record_compile(facts: _dynamo.CompileFacts) -> None:
+    frame = _dynamo.compiled_frame_locals()
     pending: Counter[str] = getattr(_tls, "pending", None) or Counter()
     _tls.pending = Counter()
-    compile_id = str(m.compile_id)
-    forward = getattr(m, "is_forward", True) is not False
     record = CompileRecord(
         seq=next(_seq),
-        compile_id=compile_id,
-        forward=forward,
+        compile_id=facts.compile_id,
+        forward=facts.forward,
         thread=threading.current_thread().name,
-        code=f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" if m.co_name else "",
+        code=facts.code,
         site=_user_site(),
-        seconds=(end - start) / 1e6 if start is not None and end is not None else None,
-        fx_hits=_sum(count("inductor_fx_local_cache_hit_count"), count("inductor_fx_remote_cache_hit_count")),
-        fx_misses=_sum(count("inductor_fx_local_cache_miss_count"), count("inductor_fx_remote_cache_miss_count")),
-        aot_hits=_sum(count("aotautograd_local_cache_hit_count"), count("aotautograd_remote_cache_hit_count")),
-        aot_misses=_sum(count("aotautograd_local_cache_miss_count"), count("aotautograd_remote_cache_miss_count")),
-        codegen_seconds=(getattr(m, "inductor_code_gen_cumulative_compile_time_us", None) or 0) / 1e6,
+        seconds=facts.seconds,
+        fx_hits=facts.fx_hits,
+        fx_misses=facts.fx_misses,
+        aot_hits=facts.aot_hits,
+        aot_misses=facts.aot_misses,
+        codegen_seconds=facts.codegen_seconds,
         triton_compiled=pending["triton_compiled"],
         cpp_compiled=pending["cpp_compiled"],
-        failed=f"{m.fail_type}: {m.fail_reason}" if getattr(m, "fail_type", None) else None,
+        failed=facts.failed,
         tag=getattr(_tls, "tag", None),
     )
-    if not forward:  # the lazy backward of an earlier compile: same call, same code path
+    if not facts.forward:  # the lazy backward of an earlier compile: same call, same code path
         with _lock:
-            first = next((r for r in reversed(_records) if r.compile_id == compile_id and r.forward), None)
+            first = next((r for r in reversed(_records) if r.compile_id == facts.compile_id and r.forward), None)
         if first is not None:
             record.code, record.site = first.code, record.site or first.site
             record.tag, record.note = record.tag or first.tag, first.note
@@ -447,37 +339,18 @@ def _record_compile(m: Any) -> None:
             del _records[: _RECORDS_MAX // 2]
         _records.append(record)
     if _on_record is not None:
-        _on_record(record, frame.f_locals if frame is not None and forward else None)
-
-
-def _sum(*values: int | None) -> int | None:
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
+        _on_record(record, frame if facts.forward else None)
 
 
 def _charge(what: str) -> None:
     """Charge a kernel compile to the compile in flight in this thread (read when its record is made). A kernel
     built outside any compile (a user's own Triton kernel, a C++ extension) is charged to none."""
-    if not _compiling():
+    if not _dynamo.compiling_in_this_thread():
         return
     pending = getattr(_tls, "pending", None)
     if pending is None:
         pending = _tls.pending = Counter()
     pending[what] += 1
-
-
-def _compiling() -> bool:
-    """A Dynamo frame compile, or a lazy backward compile, is in flight in this thread (torch's thread-local metrics
-    contexts are open exactly then)."""
-    try:
-        from torch._dynamo import utils as dynamo_utils
-
-        if dynamo_utils.get_metrics_context().in_progress():
-            return True
-        runtime_context = getattr(dynamo_utils, "get_runtime_metrics_context", None)
-        return runtime_context is not None and bool(getattr(runtime_context(), "_metrics", None))
-    except Exception:  # another torch: charge it, as before these contexts existed
-        return True
 
 
 def _record_dense(query: Any, key: Any, nbytes: int) -> None:
@@ -495,18 +368,6 @@ def _record_dense(query: Any, key: Any, nbytes: int) -> None:
         if len(_dense) >= _RECORDS_MAX:
             del _dense[: _RECORDS_MAX // 2]
         _dense.append(record)
-
-
-def _compiled_frame() -> Any:
-    """The frame Dynamo is compiling, from the stack of its compile: convert_frame holds it as the local ``frame``
-    (a frame object, or Dynamo's DynamoFrameType, both with f_code and f_locals). None when not found."""
-    f: Any = sys._getframe(2)
-    while f is not None:
-        candidate = f.f_locals.get("frame") if "convert_frame" in f.f_code.co_filename else None
-        if candidate is not None and hasattr(candidate, "f_code") and hasattr(candidate, "f_locals"):
-            return candidate
-        f = f.f_back
-    return None
 
 
 _SKIP = (os.sep + "torch" + os.sep, os.sep + "kernelpack" + os.sep, os.sep + "contextlib.py", os.sep + "threading.py")

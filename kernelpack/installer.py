@@ -65,7 +65,7 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     else:
         env = settings.inductor_cache_dir()
         if env is None:
-            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+            from ._torch.inductor import default_cache_dir
 
             env = Path(default_cache_dir()).absolute()
         path = env

@@ -101,7 +101,8 @@ def probe(device_type: str, device_index: int = 0) -> BuildKey:
     import os
 
     import torch
-    from torch._inductor.codecache import torch_key
+
+    from ._torch.inductor import torch_key
 
     try:
         import triton
@@ -118,7 +119,7 @@ def probe(device_type: str, device_index: int = 0) -> BuildKey:
     return BuildKey(
         torch_version=torch.__version__,
         torch_git=torch.version.git_version or NONE,
-        torch_key=torch_key().hex(),
+        torch_key=torch_key(),
         cuda=torch.version.cuda or NONE,
         triton=triton_version,
         python=f"{sys.version_info.major}.{sys.version_info.minor}",

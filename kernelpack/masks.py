@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import closures, settings
+from ._torch.flex import NoInternals, block_mask_of, block_tables
 from .compiled import outside_first_calls
 from .errors import KernelpackError
 from .signature import DEFAULT_BLOCK_SIZE, mask_key
@@ -188,12 +189,8 @@ def block_mask(
     with outside_first_calls():
         try:
             return eager_block_mask(mask_mod, batch, heads, q_len, kv_len, device, block_size)
-        except _NoInternals:
+        except NoInternals:
             return create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=device, BLOCK_SIZE=block_size)
-
-
-class _NoInternals(Exception):
-    """This torch lacks the create_block_mask internals the bounded builder uses."""
 
 
 def eager_block_mask(
@@ -211,23 +208,15 @@ def eager_block_mask(
     BlockMask, without torch.compile and in bounded memory.
 
     torch's eager path evaluates the mask_mod over the whole [B, H, Q, KV] grid at once: at 16k x 16k a single
-    int64 intermediate is 2 GiB. Its compiled path (``_compile=True``, what transformers uses) traces with FX during
+    int64 intermediate is 2 GiB. Its compiled path (what transformers uses) traces with FX during
     training (torch.fx's process-global tracing flag, which another thread's compiled call trips over: see
     :mod:`kernelpack.compiled` and the README's "Runtime guard" section) and its graphs are one more thing to ship. This
     evaluates the mask_mod over whole query blocks at a time, at most ``max_elements`` (default
-    KERNELPACK_MASK_CHUNK_ELEMENTS, 2**24) grid points per chunk, reduces each chunk to its block table with torch's
-    own ``_convert_mask_to_block_mask`` and builds the BlockMask with torch's ``_create_sparse_block_from_block_mask``,
-    exactly as create_block_mask does for the whole grid."""
+    KERNELPACK_MASK_CHUNK_ELEMENTS, 2**24) grid points per chunk, reduces each chunk to its block table and builds the
+    BlockMask with torch's own helpers (:mod:`kernelpack._torch.flex`), exactly as create_block_mask does for the whole
+    grid."""
     import torch
-
-    try:
-        from torch.nn.attention.flex_attention import (
-            _convert_mask_to_block_mask,
-            _create_sparse_block_from_block_mask,
-            create_mask,
-        )
-    except ImportError as e:
-        raise _NoInternals from e
+    from torch.nn.attention.flex_attention import create_mask
     q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
     limit = max_elements if max_elements is not None else settings.mask_chunk_elements()
     per_row = (batch or 1) * (heads or 1) * kv_len
@@ -241,19 +230,12 @@ def eager_block_mask(
             return mask_mod(b, h, q_idx + start, kv_idx)
 
         dense = create_mask(shifted if start else mask_mod, batch, heads, n, kv_len, device)
-        try:
-            blocks = _convert_mask_to_block_mask(
-                dense, Q_BLOCK_SIZE=q_block, KV_BLOCK_SIZE=kv_block, separate_full_blocks=True
-            )
-        except TypeError as e:  # another signature of the internals
-            raise _NoInternals from e
+        blocks = block_tables(dense, q_block, kv_block)
         partial.append(blocks[0])
         full.append(blocks[1])
         del dense
     full_blocks = torch.cat(full, dim=2) if all(f is not None for f in full) else None
-    return _create_sparse_block_from_block_mask(
-        (torch.cat(partial, dim=2), full_blocks), mask_mod, (q_len, kv_len), q_block, kv_block
-    )
+    return block_mask_of((torch.cat(partial, dim=2), full_blocks), mask_mod, (q_len, kv_len), q_block, kv_block)
 
 
 def block_mask_for(config: Config, device: str | Any) -> BlockMask:

@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import evidence, precompiled, settings
+from ._torch.dynamo import compiled_already
+from ._torch.inductor import CONFIG_HINT
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -163,7 +165,7 @@ def _check_key_settings(manifest: Manifest, strict: bool, *, allow_mismatch: boo
         "FX-graph or AOTAutograd entries:\n" + "\n".join(lines)
     )
     hint = (
-        "set them as the builder had them before activate() (torch._inductor.config.X = ..., "
+        f"set them as the builder had them before activate() ({CONFIG_HINT}, "
         "torch.set_num_threads(N), TORCHINDUCTOR_* variables), or rebuild the recipe under this process's settings"
     )
     if strict and not allow_mismatch:
@@ -177,7 +179,7 @@ def _configure_process(result: InstallResult) -> None:
     would fall back to eager, i.e. the dense path)."""
     target = Path(result.cache_dir)
     current = settings.inductor_cache_dir()
-    if current is not None and current != target and _torch_compiled_already():
+    if current is not None and current != target and compiled_already():
         warnings.warn(
             f"torch already compiled in this process with TORCHINDUCTOR_CACHE_DIR={current}; the artifact is "
             f"installed into {target} and TORCHINDUCTOR_CACHE_DIR now points there. Graphs compiled before this "
@@ -187,14 +189,6 @@ def _configure_process(result: InstallResult) -> None:
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(target)
     ensure_recompile_limit(recompile_floor_for(len(result.manifest.signatures)))
-
-
-def _torch_compiled_already() -> bool:
-    if "torch._dynamo" not in sys.modules:
-        return False
-    from torch._dynamo.utils import counters
-
-    return counters["frames"]["ok"] > 0 or bool(counters["inductor"])
 
 
 # ------------------------------------------------------------------------------------------------ activation
@@ -1149,7 +1143,7 @@ def _measured(tag: _Call) -> Any:
     delta = evidence.delta(before, evidence.snapshot())
     records = [r for r in evidence.compile_records(mark) if r.tag is tag]
     # no record: nothing compiled for this call (another thread's compiles meanwhile are not its own)
-    if evidence.compile_detection == "CompilationMetrics.create" and all(r.fx_hits is not None for r in records):
+    if evidence.per_compile_counts() and all(r.fx_hits is not None for r in records):
         counters = {k: 0 for k in delta}
         for r in records:
             for k, v in r.counters.items():

@@ -21,6 +21,7 @@ LAYERS = {
     "_fs": 0,
     "_lock": 0,
     "_worker": 0,
+    "_torch": 0,  # torch's internals, one module per area (imports errors only; torch lazily)
     # format: what a call, a recipe, an artifact and the evidence are
     "signature": 1,
     "closures": 1,
@@ -74,10 +75,13 @@ def imports_of(path: Path, depth: int = 1) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}  # the facade resolves lazily
-    graph = {name: imports_of(path) & (modules.keys() | {"integrations"}) for name, path in sorted(modules.items())}
-    # a subpackage is one node: the union of its modules' imports
-    graph["integrations"] = set().union(*(imports_of(p, 2) for p in (PACKAGE / "integrations").glob("*.py")))
-    graph["integrations"] &= modules.keys()
+    subpackages = ("integrations", "_torch")
+    graph = {name: imports_of(path) & (modules.keys() | set(subpackages)) for name, path in sorted(modules.items())}
+    # a subpackage is one node: the union of its modules' imports (its own modules' imports of each other are inside)
+    for sub in subpackages:
+        inside = {p.stem for p in (PACKAGE / sub).glob("*.py")}
+        graph[sub] = set().union(*(imports_of(p, 2) for p in (PACKAGE / sub).glob("*.py"))) - inside
+        graph[sub] &= modules.keys() | set(subpackages)
     return graph
 
 

@@ -11,8 +11,8 @@ transformers' own ``flex_attention_forward`` calling :func:`kernelpack.flex_atte
   transformers does), the score_mod closure of this module (so a recipe's score_mod factory returns the very same
   code and Dynamo serves it as it is);
 - the mask: transformers' own mask functions (sliding window, causal, padding, offsets) evaluated eagerly by
-  :func:`kernelpack.masks.eager_block_mask`. transformers' own path builds it with ``create_block_mask(...,
-  _compile=True)``, one more compiled graph per length, traced during training (FINDINGS "Third reading": one of the
+  :func:`kernelpack.masks.eager_block_mask`. transformers' own path builds it with create_block_mask's compiled
+  path, one more compiled graph per length, traced during training (FINDINGS "Third reading": one of the
   3 FX misses); kernelpack's builder traces nothing.
 
 :func:`recipe_for` writes the recipe of a model config (heads, head_dim, sliding window, scaling, dtype, lengths,

@@ -1,0 +1,224 @@
+"""``aot_compile``: a call compiled ahead of time into a function that runs without Dynamo, its bytes, loading it in
+another process, and the guards torch keeps on it (tier 2 of an artifact; :mod:`kernelpack.precompiled` says where
+the files go).
+
+What differs between torch generations, each chosen by probing:
+- torch 2.11 gives a compiled function its ``aot_compile`` method only when ``enable_aot_compile`` is on at
+  ``torch.compile`` time; 2.13+ always does. Turning it on while compiling serves both.
+- torch 2.11 and 2.13 unpickle a loaded function's guards with a Source that installs an ID_MATCH guard, which asks
+  for the current TracingContext; outside a trace there is none ("TracingContext.get() must be called within an
+  ongoing trace"; no torch issue found). torch 2.14 and 2.15 do not. A load is tried without a context first; on
+  that error, once, every later load gets a fresh context over a FakeTensorMode (the guards it installs are the
+  identity guards torch drops on load anyway, which kernelpack's call signature replaces).
+- torch 2.15 rewrote aot_compile.py (guard-scope seeding, a per-call re-read of guarded globals); the attributes used
+  here (``_artifacts.guard_manager``, ``_artifacts.guards_state``, ``_artifacts.original_code``, ``fn``,
+  ``prepare_f_locals``, ``disable_guard_check``, ``guard_check``) are the same in 2.11-2.15.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import dis
+import io
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from . import unsupported
+
+_NO_TRACING_CONTEXT = "TracingContext.get() must be called within an ongoing trace"
+
+
+def unavailable() -> str | None:
+    """Why this torch cannot compile ahead of time, or None. torch 2.11-2.15 can (``enable_aot_compile``,
+    ``torch.compiler.load_compiled_function``)."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, "enable_aot_compile"):
+        return f"torch {torch.__version__} has no Dynamo aot_compile switch (torch >= 2.10)"
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function"
+    return None
+
+
+def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "default", dynamic: bool = False) -> Any:
+    """``torch.compile(flex_attention, fullgraph=True).aot_compile`` of a call with these (named) arguments, under
+    the grad mode of the graph it serves (the loaded function guards on it): q, k, v positional, the rest by name.
+    torch 2.11-2.15."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    from torch.nn.attention.flex_attention import flex_attention
+
+    args = (arguments["query"], arguments["key"], arguments["value"])
+    kwargs = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
+    with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(grad):  # type: ignore[attr-defined]
+        compiled = torch.compile(
+            flex_attention, fullgraph=True, dynamic=dynamic, mode=None if mode == "default" else mode
+        )
+        return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
+
+
+def dumps(fn: Any) -> bytes:
+    """The bytes of an aot-compiled function (:func:`loads` makes it again). torch 2.11-2.15: the function's own
+    ``save_compiled_function`` (torch.compiler has none)."""
+    with tempfile.TemporaryDirectory(prefix="kernelpack-aot-") as tmp:
+        path = os.path.join(tmp, "fn.bin")
+        fn.save_compiled_function(path)
+        with open(path, "rb") as f:
+            return f.read()
+
+
+def guards_pass(fn: Any, arguments: Mapping[str, Any]) -> bool:
+    """Whether a call with these (named) arguments passes an aot-compiled function's own guards, as compiled.
+    torch 2.11-2.15: ``guard_check``."""
+    return bool(fn.guard_check(**arguments))
+
+
+_needs_tracing_context = False
+
+
+def loads(blob: bytes) -> Any:
+    """The function :func:`dumps` saved, loaded in this process. The inductor artifacts it refers to must be in the
+    process's cache dir: without them torch compiles its kernels again. torch 2.11-2.15."""
+    import torch
+
+    return _unpickling_guards(lambda: torch.compiler.load_compiled_function(io.BytesIO(blob)))
+
+
+def _unpickling_guards(load: Callable[[], Any]) -> Any:
+    """``load()``, which unpickles guards: in a tracing context where this torch needs one (module docstring)."""
+    global _needs_tracing_context
+    if not _needs_tracing_context:
+        try:
+            return load()
+        except RuntimeError as e:
+            if _NO_TRACING_CONTEXT not in str(e):
+                raise
+            _needs_tracing_context = True
+    with _tracing_context():
+        return load()
+
+
+@contextlib.contextmanager
+def _tracing_context() -> Iterator[None]:
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        yield
+
+
+class Loaded:
+    """A loaded function, called by flex_attention's parameter names. torch's own guard check (what remains of
+    Dynamo's guards once identity guards and guards on globals are dropped: shapes, strides, dtypes, grad mode,
+    closure constants, the global state) runs through :meth:`serves`; the caller stands in for the dropped ones.
+
+    ``device`` is the device type the function runs on. For "cuda", torch's global-state guard expects the calling
+    thread's CPU thread count instead of the builder's (:func:`_guard_manager`); for "cpu" it keeps the builder's,
+    since Inductor's C++ kernels are generated for it. torch 2.11-2.15."""
+
+    def __init__(self, fn: Any, device: str = "cpu") -> None:
+        import torch
+
+        self._fn = fn
+        # The loaded function's frame runs in a globals dict of its own (GraphRuntimeEnv.forward_callable). Bytecode
+        # that writes globals would race between threads calling it at once: such a function is refused (the caller
+        # falls back to tier 1), so one function serves every thread without a lock.
+        writes = sorted(
+            {i.argval for i in dis.get_instructions(fn.fn.__code__) if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")}
+        )
+        if writes:
+            raise RuntimeError(f"its bytecode writes the globals {writes}: not safe to call from several threads")
+        fn.disable_guard_check()  # checked once per call in serves(), not again in __call__
+        self._threads_now = torch.get_num_threads
+        # CUDA: a guard manager per CPU thread count, built on first need and never replaced. The count is per thread
+        # in torch (set_num_threads in one thread leaves a running one's as it was), so threads with different counts
+        # each get theirs instead of rebuilding one for each other. None: torch's own manager, for every count.
+        self._managers: dict[int, Any] | None = None
+        self._state: Any = None
+        self._lock = threading.Lock()
+        if device != "cpu":
+            self._state = _unpickling_guards(lambda: _load_guards_state(fn))
+            self._managers = {_thread_count(self._state): fn._artifacts.guard_manager}
+
+    def _manager(self) -> Any:
+        """The guard manager for this thread's CPU thread count; None when it cannot be built (then refused)."""
+        manager = self._fn._artifacts.guard_manager
+        if self._managers is not None:
+            threads = self._threads_now()
+            manager = self._managers.get(threads)
+            if manager is None:
+                with self._lock:
+                    manager = self._managers.get(threads)
+                    if manager is None:
+                        try:
+                            manager = _guard_manager(self._fn, self._state, threads)
+                        except Exception:  # private torch API: a refusal (tier 1 serves), never the user's error
+                            return None
+                        self._managers[threads] = manager
+        return manager
+
+    def serves(self, arguments: Mapping[str, Any]) -> bool:
+        manager = self._manager()
+        return manager is not None and bool(manager.check(self._fn.prepare_f_locals(**arguments)))
+
+    def guard_failure(self, arguments: Mapping[str, Any]) -> str:
+        """Which of torch's guards this call fails ("" when it passes or torch does not say)."""
+        try:
+            manager = self._manager()
+            if manager is None:
+                return f"no guard manager could be built for {self._threads_now()} CPU threads"
+            return str(manager.check_verbose(self._fn.prepare_f_locals(**arguments)).verbose_code_parts)
+        except Exception:  # the reason is a courtesy, the refusal stands without it
+            return ""
+
+    def __call__(self, arguments: Mapping[str, Any]) -> Any:
+        return self._fn(**arguments)
+
+    def checked(self, **arguments: Any) -> Any:
+        """A call that must pass torch's guards (the warm-up's and verify's canonical calls): raises naming the guard
+        that failed instead."""
+        if not self.serves(arguments):
+            raise RuntimeError(f"the canonical call fails its guards: {self.guard_failure(arguments)}")
+        return self(arguments)
+
+
+def _load_guards_state(fn: Any) -> Any:
+    from torch._dynamo.package import load_guards_state
+
+    return load_guards_state(fn._artifacts.guards_state)
+
+
+def _thread_count(state: Any) -> int:
+    """The CPU thread count a saved global-state guard holds (the builder's)."""
+    return int(json.loads(state.output_graph.global_state_guard.__getstate__())["num_threads"])
+
+
+def _guard_manager(fn: Any, state: Any, threads: int) -> Any:
+    """``fn``'s guard manager, built from its saved guards ``state`` with ``threads`` as the CPU thread count its
+    global-state guard expects.
+
+    Dynamo's GLOBAL_STATE guard (GlobalStateGuard, torch/csrc/dynamo/guards.cpp) compares torch.get_num_threads()
+    with the count at compile time, and a saved function keeps the builder's. torchrun sets OMP_NUM_THREADS=1 in every
+    worker and a job's host has its own core count, so on 2 H200s with torch 2.11 every pinned rank's load failed
+    ("GLOBAL_STATE changed: num_threads") and tier 1 served. A CUDA graph's kernels do not depend on it (tier 1's
+    Inductor key does not hold it either); the rest of the global state (grad mode, autocast, TF32, deterministic
+    algorithms, default dtype) is still checked. The call AOTCompiledFunction.__post_init__ makes to build its guard
+    manager, torch 2.11-2.15."""
+    from torch._dynamo.package import load_guard_manager
+
+    saved = state.output_graph.global_state_guard
+    values = json.loads(saved.__getstate__())
+    if "num_threads" not in values:
+        raise unsupported("Dynamo's saved global-state guard no longer holds num_threads")
+    values["num_threads"] = threads
+    cls: Any = type(saved)
+    guard = cls.__new__(cls)  # what pickle does: the pybind class restores itself from its JSON
+    guard.__setstate__(json.dumps(values))
+    state = dataclasses.replace(state, output_graph=dataclasses.replace(state.output_graph, global_state_guard=guard))
+    return _unpickling_guards(lambda: load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__))

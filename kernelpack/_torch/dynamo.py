@@ -1,0 +1,264 @@
+"""Dynamo: its cache entries and their guard managers, its config (the recompile limit, what a dynamic trace runs
+under), its counters, and the per-compile metrics and callbacks that tell one compile from another.
+
+Every function here serves torch 2.11-2.15 (the names below are the same in all five; tests/test_torch_internals.py
+runs each on the torch it is given).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from . import unsupported
+
+# ------------------------------------------------------------------------------------------------ cache entries
+
+
+def cache_entries(code: Any) -> list[Any]:
+    """Dynamo's cache entries for a code object, most recent first (each has a backend and a guard manager: see
+    :func:`entry_backend`, :func:`entry_guards`). torch 2.11-2.15: ``_debug_get_cache_entry_list``."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError as e:
+        raise unsupported("Dynamo does not expose its cache entries (_debug_get_cache_entry_list)") from e
+    return list(_debug_get_cache_entry_list(code))
+
+
+def entry_backend(entry: Any) -> Any:
+    """The backend an entry was compiled with (compared by value, as Dynamo's lookup does). torch 2.11-2.15."""
+    return entry.backend
+
+
+def entry_guards(entry: Any) -> Any:
+    """An entry's guard manager (kernelpack keeps them as the identity of what served a call). torch 2.11-2.15."""
+    return entry.guard_manager
+
+
+_backends: dict[tuple[str | None, bool], Any] = {}
+
+
+def inductor_backend(mode: str | None, dynamic: bool) -> Any:
+    """The backend ``torch.compile(..., mode=mode, dynamic=dynamic)`` gives its frames, equal by value to the one in
+    their cache entries. torch 2.11-2.15: ``_TorchCompileInductorWrapper(mode, options, dynamic)``."""
+    key = (mode, dynamic)
+    if key not in _backends:
+        try:
+            from torch import _TorchCompileInductorWrapper
+        except ImportError as e:
+            raise unsupported("torch.compile's inductor backend wrapper (_TorchCompileInductorWrapper) is gone") from e
+        _backends[key] = _TorchCompileInductorWrapper(mode, None, dynamic)
+    return _backends[key]
+
+
+def guards_pass(manager: Any, f_locals: Mapping[str, Any]) -> bool:
+    """Whether a frame with these locals passes the guard manager's guards, run in the calling thread (guards read
+    its grad mode and autocast state). torch 2.11-2.15: ``GuardManagerWrapper.check``."""
+    return bool(manager.check(f_locals))
+
+
+def guard_failure(manager: Any, f_locals: Mapping[str, Any]) -> str:
+    """The guards a frame fails, in Dynamo's words (e.g. ``tensor 'L['query']' stride mismatch at index 1``); "" when
+    it passes or torch cannot say. torch 2.11-2.15: ``check_verbose(...).verbose_code_parts``."""
+    try:
+        verbose = manager.check_verbose(f_locals)
+    except Exception:  # the reason is a courtesy: the caller's refusal stands without it
+        return ""
+    if verbose.result:
+        return ""
+    return "; ".join(str(p).split("  #")[0].strip() for p in verbose.verbose_code_parts)
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def raise_recompile_limit(floor: int) -> None:
+    """Raise Dynamo's per-code-object recompile limit (and the accumulated limit, to 4x) to at least ``floor`` in
+    this thread: since torch 2.12 a Dynamo config assignment is a per-thread override (pytorch #186537: the backward
+    thread does not inherit it). torch 2.11-2.15: ``recompile_limit``, ``accumulated_recompile_limit``."""
+    import torch._dynamo.config as config
+
+    if config.recompile_limit < floor:
+        config.recompile_limit = floor
+    if config.accumulated_recompile_limit < 4 * floor:
+        config.accumulated_recompile_limit = 4 * floor
+
+
+@contextlib.contextmanager
+def dynamic_trace_settings() -> Iterator[None]:
+    """What a dynamic graph is traced under: no duck sizing (two sizes equal at trace time stay two symbols) and
+    floats specialized (a dynamic float, flex's scale, is traced into a graph AOTAutograd cannot cache). torch
+    2.11-2.15: ``torch.fx.experimental._config.use_duck_shape``, ``torch._dynamo.config.specialize_float``; on torch
+    < 2.12 the patch is process-wide while it lasts."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):  # type: ignore[attr-defined]
+        yield
+
+
+# ------------------------------------------------------------------------------------------------ counters
+
+# torch's process-wide counters that kernelpack reads, as (group, name): cache hits and misses of the FX-graph and
+# AOTAutograd caches, inductor's compile calls (warm hits included), bundled kernels re-emitted, frames compiled
+COUNTERS = (
+    ("inductor", "fxgraph_cache_hit"),
+    ("inductor", "fxgraph_cache_miss"),
+    ("inductor", "fxgraph_cache_bypass"),
+    ("aot_autograd", "autograd_cache_hit"),
+    ("aot_autograd", "autograd_cache_miss"),
+    ("aot_autograd", "autograd_cache_bypass"),
+    ("inductor", "async_compile_cache_miss"),
+    ("inductor", "triton_bundler_read_and_emit_kernel"),
+    ("frames", "ok"),
+)
+
+
+def counter_values() -> dict[str, int]:
+    """:data:`COUNTERS` now, as ``{"group.name": count}``. torch 2.11-2.15: ``torch._dynamo.utils.counters``."""
+    from torch._dynamo.utils import counters
+
+    return {f"{group}.{name}": int(counters[group][name]) for group, name in COUNTERS}
+
+
+def compiled_already() -> bool:
+    """Whether Dynamo or inductor compiled anything in this process (without importing Dynamo if it is not).
+    torch 2.11-2.15."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["ok"] > 0 or bool(counters["inductor"])
+
+
+# ------------------------------------------------------------------------------------------------ per compile
+
+
+@dataclass(frozen=True, slots=True)
+class CompileFacts:
+    """What torch's metrics say of one compile, in kernelpack's words (None: this torch does not count it)."""
+
+    compile_id: str
+    forward: bool  # False: the lazy compile of an earlier compile's backward
+    code: str  # the compiled frame, "co_name (file:line)"
+    seconds: float | None
+    fx_hits: int | None
+    fx_misses: int | None
+    aot_hits: int | None
+    aot_misses: int | None
+    codegen_seconds: float  # inductor generated code: a cache miss, or a graph the FX cache bypassed
+    failed: str | None
+
+
+def _facts(m: Any) -> CompileFacts:
+    def count(*names: str) -> int | None:
+        known = [int(getattr(m, n) or 0) for n in names if hasattr(m, n)]
+        return sum(known) if known else None
+
+    start, end = getattr(m, "start_time_us", None), getattr(m, "end_time_us", None)
+    return CompileFacts(
+        compile_id=str(m.compile_id),
+        forward=getattr(m, "is_forward", True) is not False,
+        code=f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})" if m.co_name else "",
+        seconds=(end - start) / 1e6 if start is not None and end is not None else None,
+        fx_hits=count("inductor_fx_local_cache_hit_count", "inductor_fx_remote_cache_hit_count"),
+        fx_misses=count("inductor_fx_local_cache_miss_count", "inductor_fx_remote_cache_miss_count"),
+        aot_hits=count("aotautograd_local_cache_hit_count", "aotautograd_remote_cache_hit_count"),
+        aot_misses=count("aotautograd_local_cache_miss_count", "aotautograd_remote_cache_miss_count"),
+        codegen_seconds=(getattr(m, "inductor_code_gen_cumulative_compile_time_us", None) or 0) / 1e6,
+        failed=f"{m.fail_type}: {m.fail_reason}" if getattr(m, "fail_type", None) else None,
+    )
+
+
+COMPILE_DETECTION = "torch's per-compile metrics"
+
+
+def watch_compile_metrics(on_compile: Callable[[CompileFacts], None]) -> str:
+    """Call ``on_compile`` in the compiling thread as torch records each compile's metrics (concurrent compiles
+    included), never letting it break the compile; returns how compiles are seen (:data:`COMPILE_DETECTION`).
+    torch 2.11-2.15: ``CompilationMetrics.create``, a classmethod torch calls once per compile."""
+    from torch._dynamo import utils as dynamo_utils
+
+    create = getattr(getattr(dynamo_utils, "CompilationMetrics", None), "create", None)
+    if create is None:
+        raise unsupported("Dynamo records no per-compile metrics (CompilationMetrics.create)")
+    original = create.__func__
+
+    @functools.wraps(original)
+    def recorded(cls: Any, metrics: dict[str, Any]) -> Any:
+        made = original(cls, metrics)
+        try:
+            on_compile(_facts(made))
+        except Exception:  # evidence must never break a compile
+            import logging
+
+            logging.getLogger(__name__).debug("kernelpack could not record a compile", exc_info=True)
+        return made
+
+    dynamo_utils.CompilationMetrics.create = classmethod(recorded)  # type: ignore[assignment]
+    return COMPILE_DETECTION
+
+
+def watch_compile_starts(callback: Callable[..., None]) -> None:
+    """Register ``callback`` for the start of Dynamo compiles, and again whenever ``torch._dynamo.reset()`` clears
+    every callback. torch runs it only for the first of compiles in flight at once (its pending counter is
+    process-wide). torch 2.11-2.15: ``torch._dynamo.callback``; the callback gets ``CallbackArgs`` (see
+    :func:`is_frame_compile`)."""
+    from torch._dynamo.callback import callback_handler
+    from torch._dynamo.callback import on_compile_start as register
+
+    register(callback)
+    clear = callback_handler.clear
+
+    @functools.wraps(clear)
+    def clear_then_register() -> None:
+        clear()
+        register(callback)
+
+    callback_handler.clear = clear_then_register  # type: ignore[method-assign]
+
+
+def ensure_watching_starts(callback: Callable[..., None]) -> None:
+    """Register ``callback`` again if something cleared Dynamo's callbacks past :func:`watch_compile_starts`'s watch.
+    torch 2.11-2.15."""
+    from torch._dynamo.callback import callback_handler
+    from torch._dynamo.callback import on_compile_start as register
+
+    if callback not in callback_handler.start_callbacks:
+        register(callback)
+
+
+def is_frame_compile(*args: Any) -> bool:
+    """Whether a compile-start callback's arguments are for a Dynamo frame compile (not a lazy backward compile).
+    torch 2.11-2.15: ``CallbackArgs.callback_trigger``."""
+    trigger = getattr(args[0], "callback_trigger", None) if args else None
+    return getattr(trigger, "name", "DYNAMO") == "DYNAMO"
+
+
+def compiling_in_this_thread() -> bool:
+    """A Dynamo frame compile, or a lazy backward compile, is in flight in this thread (torch's thread-local metrics
+    contexts are open exactly then). torch 2.11-2.15."""
+    try:
+        from torch._dynamo import utils as dynamo_utils
+
+        if dynamo_utils.get_metrics_context().in_progress():
+            return True
+        return bool(getattr(dynamo_utils.get_runtime_metrics_context(), "_metrics", None))
+    except Exception:  # the contexts moved: charge the kernel to the compile, as before they existed
+        return True
+
+
+def compiled_frame_locals() -> Mapping[str, Any] | None:
+    """The locals of the frame Dynamo is compiling in this thread, from its compile's stack: convert_frame holds it
+    as the local ``frame`` (a frame object, or Dynamo's DynamoFrameType). None when not found. torch 2.11-2.15."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        candidate = f.f_locals.get("frame") if "convert_frame" in f.f_code.co_filename else None
+        if candidate is not None and hasattr(candidate, "f_code") and hasattr(candidate, "f_locals"):
+            return candidate.f_locals  # type: ignore[no-any-return]
+        f = f.f_back
+    return None

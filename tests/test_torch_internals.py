@@ -1,0 +1,189 @@
+"""torch's internals live in one place: no private torch or Triton name appears in kernelpack/ outside
+kernelpack/_torch/, in code, comments or docstrings; docs/torch-compat.md lists every function of kernelpack/_torch/
+with the torch versions CI runs it on; and each of those functions works on the torch this suite runs on."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "kernelpack"
+INTERNALS = PACKAGE / "_torch"
+COMPAT = ROOT / "docs" / "torch-compat.md"
+
+# A dotted torch/triton path with a private segment (torch._dynamo, torch.fx._symbolic_trace; not __version__), the
+# same as a source path (torch/_inductor/codecache.py), Triton's internals, and the private names kernelpack reaches
+# that carry no underscore of their own or sit on objects (guard managers, aot-compiled functions, the flex HOP).
+PATTERNS = [
+    re.compile(r"\b(?:torch|triton)(?:\.[A-Za-z]\w*)*\.(?!__)_\w+"),
+    re.compile(r"\btorch/(?:\w+/)*_\w+"),
+    re.compile(r"\btriton\.(?:knobs|backends|runtime|compiler)\b"),
+    re.compile(
+        r"\b(?:_symbolic_trace|_is_fx_tracing\w*|_get_is_fx_tracing|CURRENT_PATCHER|_Patcher|_artifacts|guard_manager"
+        r"|check_verbose|verbose_code_parts|prepare_f_locals|disable_guard_check|guard_check|guards_state"
+        r"|load_guard_manager|GlobalStateGuard|global_state_guard|py_kernels|_dispatch_cache|CompilationMetrics"
+        r"|callback_handler|start_callbacks|on_compile_start|get_metrics_context|get_runtime_metrics_context"
+        r"|cpp_builder|CppBuilder|_preprocessing|save_config_portable|_current_graph_task_id|cache_entry_list"
+        r"|_TorchCompileInductorWrapper|TracingContext|FakeTensorMode|FakeTensor|FlexAttentionHOP|sdpa_dense"
+        r"|FxGraphHashDetails|codecache|cache_dir_utils|use_duck_shape|specialize_float|enable_aot_compile"
+        r"|recompile_limit|accumulated_recompile_limit|convert_frame|save_compiled_function|_convert_mask_to_block_mask"
+        r"|_create_sparse_block_from_block_mask|_compile=True|_is_functional_tensor|CUDABackend|add_stages)\b"
+    ),
+]
+
+
+def private_names(text: str) -> list[str]:
+    """``line: name`` for each private torch name in a file's text."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for pattern in PATTERNS:
+            found += [f"{number}: {m.group(0)}" for m in pattern.finditer(line)]
+    return found
+
+
+def private_imports(text: str) -> list[str]:
+    """Imports of private names from torch or triton (``from torch.nn.attention.flex_attention import _x``)."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in ("torch", "triton"):
+            found += [f"{node.lineno}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def outside_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if INTERNALS not in p.parents)
+
+
+def test_no_private_torch_name_outside_the_internals_package() -> None:
+    offenders = {
+        str(p.relative_to(ROOT)): names
+        for p in outside_files()
+        if (names := private_names(p.read_text()) + private_imports(p.read_text()))
+    }
+    assert offenders == {}, "move these into kernelpack/_torch/ (one module per area) and call them from there"
+
+
+def test_the_check_finds_what_it_looks_for() -> None:
+    """The checker itself, on what kernelpack had before the package existed."""
+    before = (
+        "from torch.fx import _symbolic_trace\n"
+        "    if not _symbolic_trace._is_fx_tracing_flag:\n"
+        "# a recorded entry Dynamo no longer has (torch._dynamo.reset()) would not serve the call\n"
+        "    inputs (torch/_inductor/codecache.py ``FxGraphHashDetails``)\n"
+        "        return e.guard_manager.check(f_locals)\n"
+        "        knobs.compilation.listener = listener  # triton.knobs\n"
+    )
+    assert sorted({n.split(": ", 1)[0] for n in private_names(before)}) == ["1", "2", "3", "4", "5", "6"]
+    assert private_imports("from torch.nn.attention.flex_attention import _convert_mask_to_block_mask, create_mask\n")
+    assert not private_names("import torch\nprint(torch.__version__, torch.nn.attention.flex_attention.BlockMask)\n")
+    assert not private_imports("from torch.nn.attention.flex_attention import BlockMask, create_block_mask\n")
+
+
+# ------------------------------------------------------------------------------------------------ the compat table
+
+
+def internals_functions() -> dict[str, object]:
+    """Every public function (and class) of kernelpack/_torch/, by ``module.name``."""
+    found: dict[str, object] = {}
+    for path in sorted(INTERNALS.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        module = importlib.import_module(f"kernelpack._torch.{path.stem}")
+        for name, obj in vars(module).items():
+            if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)):
+                if obj.__module__ == module.__name__:
+                    found[f"{path.stem}.{name}"] = obj
+    return found
+
+
+def compat_rows() -> dict[str, list[str]]:
+    """docs/torch-compat.md's entry-point table: ``module.name`` -> the versions CI runs it on."""
+    rows = {}
+    for line in COMPAT.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and (m := re.fullmatch(r"`(\w+\.\w+)`", cells[0])):
+            rows[m.group(1)] = re.findall(r"\d+\.\d+", cells[1])
+    return rows
+
+
+def ci_versions() -> list[str]:
+    """The torch releases .ci/run runs tests on, as "2.13"."""
+    text = (ROOT / ".ci" / "run").read_text()
+    return sorted({m for m in re.findall(r"torch==(\d+\.\d+)", text)}, key=lambda v: tuple(map(int, v.split("."))))
+
+
+def test_every_entry_point_is_in_the_compat_table_with_the_versions_ci_runs() -> None:
+    rows = compat_rows()
+    assert sorted(rows) == sorted(internals_functions()), "docs/torch-compat.md lists exactly kernelpack/_torch's API"
+    versions = ci_versions()
+    assert len(versions) >= 4, versions  # 2.11, 2.13, 2.14, 2.15
+    for name, listed in rows.items():
+        assert listed and set(listed) <= set(versions), (name, listed, versions)
+
+
+def test_every_entry_point_says_which_torch_versions_it_serves() -> None:
+    vague = [name for name, obj in internals_functions().items() if not re.search(r"torch \d+\.\d+", obj.__doc__ or "")]
+    # exceptions and the error helpers carry no version of their own
+    assert [n for n in vague if not n.endswith(("NoInternals", "CompileFacts"))] == []
+
+
+def test_the_floor_pyproject_declares_is_the_oldest_torch_ci_runs() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=(\d+\.\d+)', text)
+    assert floor is not None and floor.group(1) == ci_versions()[0]
+
+
+# ------------------------------------------------------------------------------------------------ on this torch
+
+
+def test_the_fx_state_is_read_without_error_and_follows_a_trace_in_another_thread() -> None:
+    """What the first-call gate waits for, on the torch this suite runs: idle, nothing; while another thread is
+    inside ``torch.fx.symbolic_trace``, something (the flag on <= 2.13, the patcher on every release)."""
+    import threading
+
+    import torch
+
+    from kernelpack._torch import fx
+
+    assert fx.foreign_trace() is False
+    entered, release = threading.Event(), threading.Event()
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        entered.set()
+        release.wait(30)
+        return x + 1
+
+    tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(traced))
+    tracer.start()
+    try:
+        assert entered.wait(30)
+        assert fx.foreign_trace() is True
+    finally:
+        release.set()
+        tracer.join(30)
+    assert fx.foreign_trace() is False
+    thread_local = fx.tracing_state_is_thread_local()
+    assert thread_local == (not hasattr(sys.modules["torch.fx._symbolic_trace"], "_is_fx_tracing_flag"))
+
+
+def test_a_torch_without_what_kernelpack_needs_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch that moved a name again gets a refusal naming the version and what is missing, not an AttributeError."""
+    import torch.fx._symbolic_trace as st
+
+    from kernelpack._torch import fx
+    from kernelpack.errors import TorchUnsupportedError
+
+    for name in ("_is_fx_tracing_flag", "_get_is_fx_tracing"):
+        monkeypatch.delattr(st, name, raising=False)
+    with pytest.raises(TorchUnsupportedError) as e:
+        fx.foreign_trace()
+    import torch
+
+    assert torch.__version__ in str(e.value) and "2.11 through 2.15" in str(e.value)
