@@ -127,7 +127,7 @@ def arguments(
     if config.return_lse:
         args["return_lse"] = True
     if config.return_aux != "none":
-        from torch.nn.attention.flex_attention import AuxRequest  # torch >= 2.9
+        from torch.nn.attention.flex_attention import AuxRequest
 
         wanted = config.return_aux.split("+")
         args["return_aux"] = AuxRequest(lse="lse" in wanted, max_scores="max_scores" in wanted)

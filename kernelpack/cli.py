@@ -296,8 +296,6 @@ def verify_cmd(
         f"{data.get('precompiled', 0)} of {len(graphs)} graph(s) served by precompiled functions (tier 2)"
         + (f"; the inductor cache serves the rest: {'; '.join(tier1)}" if tier1 else "")
     )
-    if data.get("triton_detection", "").startswith("unavailable"):
-        click.echo(f"warning: Triton compiles could not be observed: {data['triton_detection']}", err=True)
     if check:  # the per-config reference errors, the numbers --check adds
         click.echo("reference check (max. relative error against float64, per graph):")
         for c in data["configs"]:

@@ -70,9 +70,19 @@ class BuildKey:
 
     @property
     def tag(self) -> str:
-        """``torch<version>-<commit12>-<gpu-or-cpu>``, the variable part of an artifact's file name."""
+        """``torch<version>-<commit12>[-cu<XYZ>]-<gpu-or-cpu>``, the variable part of an artifact's file name.
+
+        One torch release ships builds for several CUDA versions (2.14: cu128, cu130; 2.15: cu130, cu132) from one
+        commit; their kernels and keys differ, so the CUDA version is in the name (``cu130``), as in the wheel's local
+        version. A CPU build of torch has none."""
         version = self.torch_version.split("+")[0]
-        return f"torch{version}-{self.torch_git[:12]}-{device_slug(self)}"
+        cuda = f"-{cuda_tag(self.cuda)}" if self.cuda != NONE else ""
+        return f"torch{version}-{self.torch_git[:12]}{cuda}-{device_slug(self)}"
+
+
+def cuda_tag(cuda: str) -> str:
+    """``torch.version.cuda`` as the wheels name it: "13.0" -> "cu130", "12.8" -> "cu128"."""
+    return "cu" + re.sub(r"[^0-9]", "", cuda)
 
 
 def device_slug(key: BuildKey) -> str:

@@ -571,7 +571,7 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
             canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
             if config.device == "cuda":
                 torch.cuda.synchronize(device)
-        with contextlib.suppress(RuntimeError), torch.set_grad_enabled(sig.graph == "fwd+bwd"):
+        with torch.set_grad_enabled(sig.graph == "fwd+bwd"):
             # the entry Dynamo now serves this call from (None: none passes, it would trace again)
             warm.entries[sig] = serving_entry(canonical_arguments(config, inputs, bm), config.mode, config.dynamic)
     warm.signatures.add(sig)
@@ -795,9 +795,7 @@ def _serve(
     options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
     for m, d in options:
         hit = dynamo_hit(arguments, warm.served_by, m, d)
-        if hit is None:  # torch without Dynamo's cache entries: the call signature stands in for its guards
-            hit = _warmed_signature(active, warm, _signature(m, d, arguments))
-        elif hit and d and active.strict and active.covers(_signature(m, d, arguments)).entry is None:
+        if hit and d and active.strict and active.covers(_signature(m, d, arguments)).entry is None:
             # A dynamic graph's guards hold far beyond the recipe's range (no upper bound on a length, a symbolic
             # batch): strict mode serves only what the artifact covers. One signature per such call, not per
             # static one.
@@ -829,19 +827,6 @@ def _serve(
     with state.lock:
         state.refused.append((sig, why))
     raise error
-
-
-def _warmed_signature(active: Activation, warm: Warmup, sig: CallSignature) -> CallSignature | None:
-    """Where torch cannot run Dynamo's guards: the warmed signature that serves ``sig`` (itself, or the traced call of
-    the dynamic range config that covers it), or None."""
-    if sig in warm.signatures:
-        # a signature tier 2 serves has no Dynamo entry: a call its function did not serve would trace here
-        return None if sig in warm.precompiled else sig
-    coverage = active.covers(sig)
-    if coverage.entry is not None and coverage.entry.config.q_range is not None:
-        traced = Manifest.traced(sig, coverage.entry)
-        return traced if traced in warm.signatures and traced not in warm.precompiled else None
-    return None
 
 
 def _count_served(state: _State, sig: Any, arguments: Mapping[str, Any], tier: str) -> None:
@@ -1045,8 +1030,7 @@ def _first_call_at_the_gate(
         if sig.dynamic and coverage is not None:
             # another length of a range whose first call was made: steady state only if Dynamo's guards pass
             # (else it would trace outside the gate)
-            with contextlib.suppress(RuntimeError):
-                return serving_entry(arguments, mode, True) is not None
+            return serving_entry(arguments, mode, True) is not None
         return True
 
     if steady():

@@ -25,7 +25,8 @@ def test_build_manifest(smoke_artifact: Path) -> None:
     m = art.read_manifest(smoke_artifact).to_dict()
     recipe = load_recipe(SMOKE)
     version = torch.__version__.split("+")[0]
-    assert smoke_artifact.name == f"smoke-cpu-torch{version}-{torch.version.git_version[:12]}-cpu.kpack"
+    cuda = f"-cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else ""
+    assert smoke_artifact.name == f"smoke-cpu-torch{version}-{torch.version.git_version[:12]}{cuda}-cpu.kpack"
     assert m["recipe"]["sha256"] == recipe.sha256
     assert sorted(c["id"] for c in m["configs"]) == sorted(c.id for c in recipe.configs)
     assert all(c["compile_seconds"] > 0 and c["max_rel_error"] < 2e-3 for c in m["configs"])

@@ -58,9 +58,16 @@ def test_install_path_matters_on_cpu_only() -> None:
 
 
 def test_tag() -> None:
-    assert H200.tag == "torch2.11.0-70d99e998b49-h200"
-    cpu = dataclasses.replace(H200, device_type="cpu", torch_version="2.13.0+cpu")
+    """The CUDA version is in the name: one torch release's builds for CUDA 12.8, 13.0, 13.2 share a commit."""
+    assert H200.tag == "torch2.11.0-70d99e998b49-cu130-h200"
+    assert (
+        dataclasses.replace(H200, cuda="12.8", torch_version="2.11.0+cu128").tag
+        == "torch2.11.0-70d99e998b49-cu128-h200"
+    )
+    cpu = dataclasses.replace(H200, device_type="cpu", torch_version="2.13.0+cpu", cuda="none")
     assert cpu.tag == "torch2.13.0-70d99e998b49-cpu"
+    # a CUDA wheel running on the CPU (torch 2.14 and 2.15 from PyPI): its CPU artifacts are another build too
+    assert dataclasses.replace(cpu, cuda="13.2", torch_version="2.15.0").tag == "torch2.15.0-70d99e998b49-cu132-cpu"
 
 
 def test_probe_here_is_cpu_and_matches_itself() -> None:

@@ -127,6 +127,34 @@ def test_pull_selects_this_build_and_explains_every_rejection(smoke_artifact: Pa
     assert not pull(str(tmp_path / "reg"), "smoke-cpu").downloaded  # node-local cache reused
 
 
+def test_builds_for_two_cuda_versions_get_two_names_and_pull_takes_this_torchs(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One torch release and commit built against CUDA 12.8 and 13.0: two file names, two registry entries, and the
+    pull (what activate(registry=...) does) takes the one of ``torch.version.cuda``."""
+    import torch
+
+    from kernelpack.keys import BuildKey
+
+    reg = Registry(str(tmp_path / "reg"))
+    built = {}
+    for cuda in ("12.8", "13.0"):
+        data = art.read_manifest(smoke_artifact).to_dict()
+        key = BuildKey.from_dict({**data["build_key"], "cuda": cuda})
+        name = art.artifact_name("smoke-cpu", key.tag)
+        built[cuda] = repack(smoke_artifact, tmp_path / name, tmp_path / f"w{cuda}", build_key=key.to_dict())
+        reg.push(built[cuda])
+    assert len({p.name for p in built.values()}) == 2 and all(f"-cu{c.replace('.', '')}-" in built[c].name for c in built)
+    assert len({e.path for e in reg.entries("smoke-cpu")}) == 2
+    for cuda in ("13.0", "12.8"):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        assert pull(str(tmp_path / "reg"), "smoke-cpu").entry.sha256 == art.sha256_file(built[cuda])
+    monkeypatch.setattr(torch.version, "cuda", "13.2")
+    with pytest.raises(NoMatchingArtifactError) as exc:
+        pull(str(tmp_path / "reg"), "smoke-cpu")
+    assert "cuda '12.8' != here '13.2'" in str(exc.value) and "cuda '13.0' != here '13.2'" in str(exc.value)
+
+
 def test_lock_pins_and_pull_refuses_anything_else(smoke_artifact: Path, tmp_path: Path) -> None:
     reg = Registry(str(tmp_path / "reg"))
     reg.push(smoke_artifact)

@@ -150,11 +150,9 @@ def attention(
 
 
 def _lse_kwargs(return_lse: bool) -> dict[str, Any]:
-    # torch >= 2.9 asks for the lse with return_aux (return_lse is deprecated there), as transformers does
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:
-        return {"return_lse": return_lse}
+    # the lse through return_aux (return_lse is deprecated since torch 2.9), as transformers asks for it
+    from torch.nn.attention.flex_attention import AuxRequest
+
     return {"return_aux": AuxRequest(lse=True) if return_lse else None}
 
 
@@ -331,7 +329,7 @@ def recipe_for(
         'score_mod = "kernelpack.integrations.transformers:recipe_score_mod"',
     ]
     if device == "cuda":
-        lines.append('return_aux = "lse"' if _has_aux() else "return_lse = true")
+        lines.append('return_aux = "lse"')
     if isinstance(seq_lens, Mapping) and "multiple" not in seq_lens:
         lines += ["", "[compile]", "dynamic = true"]
     return "\n".join(lines) + "\n"
@@ -349,10 +347,3 @@ def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
         return "{ " + ", ".join(f"{k} = {int(v)}" for k, v in seq_lens.items()) + " }"
     return f"[{', '.join(str(int(n)) for n in seq_lens)}]"
 
-
-def _has_aux() -> bool:
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest  # noqa: F401
-    except ImportError:
-        return False
-    return True
