@@ -178,7 +178,13 @@ def foreign_fx_trace(artifact: str, cache: str) -> dict[str, Any]:
     tracer = threading.Thread(target=lambda: torch.fx.symbolic_trace(traced))
     tracer.start()
     entered.wait()
-    out: dict[str, Any] = {"flag_set": bool(torch.fx._symbolic_trace._is_fx_tracing_flag)}
+    st = torch.fx._symbolic_trace
+    out: dict[str, Any] = {
+        # torch <= 2.13: the tracing flag is process-global; >= 2.14 it is the tracer thread's own (pytorch#168999),
+        # and what other threads see is the module patcher, process-global on every release
+        "flag_set": bool(st._is_fx_tracing_flag if hasattr(st, "_is_fx_tracing_flag") else st._get_is_fx_tracing()),
+        "patcher_set": st.CURRENT_PATCHER is not None,
+    }
     # 1. torch's own compiled flex, with the error suppressed as in the seeds: runs uncompiled -> refused
     torch._dynamo.config.error_on_nested_fx_trace = False
     raw = torch.compile(flex_attention, dynamic=False)
@@ -188,6 +194,8 @@ def foreign_fx_trace(artifact: str, cache: str) -> dict[str, Any]:
         out["raw"] = "ran"
     except DenseFallbackError as e:
         out["raw"] = f"DenseFallbackError: {e}"
+    except Exception as e:  # what a cold compile under another thread's patcher raises (torch >= 2.14)
+        out["raw"] = f"{type(e).__name__}: {str(e)[:300]}"
     # 2. kernelpack's entry point waits for the trace to end instead of running dense
     threading.Timer(0.5, release.set).start()
     t = time.perf_counter()

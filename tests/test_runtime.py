@@ -87,12 +87,17 @@ def test_recompile_limit_fallback_is_refused_as_dense(smoke_artifact: Path, tmp_
 
 
 def test_foreign_fx_trace_dense_fallback_is_refused_and_kernelpack_waits(smoke_artifact: Path, tmp_path: Path) -> None:
-    """The seeds' failure: error_on_nested_fx_trace=False while another thread FX-traces runs flex uncompiled."""
+    """The seeds' failure: error_on_nested_fx_trace=False while another thread FX-traces runs flex uncompiled (torch
+    <= 2.13, whose tracing flag is process-global). On torch >= 2.14 the flag is the tracing thread's own and torch's
+    call compiles instead; the module patcher is still process-wide, and kernelpack waits for it on every version."""
     out = scenario("foreign_fx_trace", smoke_artifact, tmp_path)
-    assert out["flag_set"] is True
-    assert out["raw"].startswith("DenseFallbackError")
+    assert out["patcher_set"] is True
+    if out["flag_set"]:  # torch <= 2.13
+        assert out["raw"].startswith("DenseFallbackError")
+        assert out["dense_calls_refused"] == 1  # only torch's raw call reached the dense path
+    else:  # torch >= 2.14
+        assert out["raw"] == "ran" and out["dense_calls_refused"] == 0
     assert 0.4 < out["kernelpack_waited"] < 30  # waited for the trace to end, then ran compiled
-    assert out["dense_calls_refused"] == 1  # only torch's raw call reached the dense path
 
 
 def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(

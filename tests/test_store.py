@@ -144,7 +144,9 @@ def test_builds_for_two_cuda_versions_get_two_names_and_pull_takes_this_torchs(
         name = art.artifact_name("smoke-cpu", key.tag)
         built[cuda] = repack(smoke_artifact, tmp_path / name, tmp_path / f"w{cuda}", build_key=key.to_dict())
         reg.push(built[cuda])
-    assert len({p.name for p in built.values()}) == 2 and all(f"-cu{c.replace('.', '')}-" in built[c].name for c in built)
+    assert len({p.name for p in built.values()}) == 2 and all(
+        f"-cu{c.replace('.', '')}-" in built[c].name for c in built
+    )
     assert len({e.path for e in reg.entries("smoke-cpu")}) == 2
     for cuda in ("13.0", "12.8"):
         monkeypatch.setattr(torch.version, "cuda", cuda)

@@ -173,6 +173,33 @@ def test_the_fx_state_is_read_without_error_and_follows_a_trace_in_another_threa
     assert thread_local == (not hasattr(sys.modules["torch.fx._symbolic_trace"], "_is_fx_tracing_flag"))
 
 
+def test_make_fx_in_another_thread_is_waited_for_only_where_its_flag_is_process_global() -> None:
+    """make_fx patches nn.Module's attributes, not math.*: on torch >= 2.14 it no longer reaches other threads'
+    compiled calls (docs/BENCHMARKS.md, 0 errors in 2,366 calls), on <= 2.13 its process-global flag does."""
+    import threading
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from kernelpack._torch import fx
+
+    entered, release = threading.Event(), threading.Event()
+
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        entered.set()
+        release.wait(30)
+        return x + 1
+
+    tracer = threading.Thread(target=lambda: make_fx(traced)(torch.zeros(2)))
+    tracer.start()
+    try:
+        assert entered.wait(30)
+        assert fx.foreign_trace() is (not fx.tracing_state_is_thread_local())
+    finally:
+        release.set()
+        tracer.join(30)
+
+
 def test_a_torch_without_what_kernelpack_needs_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch that moved a name again gets a refusal naming the version and what is missing, not an AttributeError."""
     import torch.fx._symbolic_trace as st
