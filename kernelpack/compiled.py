@@ -38,8 +38,6 @@ from ._torch.autograd import in_backward
 from ._torch.inductor import key_settings
 from .errors import KernelpackError
 
-__all__ = ["in_backward", "key_settings"]  # re-exported: the runtime's and the builder's words for them
-
 DEFAULT_RECOMPILE_LIMIT = 64
 _recompile_floor = DEFAULT_RECOMPILE_LIMIT
 

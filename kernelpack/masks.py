@@ -217,6 +217,7 @@ def eager_block_mask(
     grid."""
     import torch
     from torch.nn.attention.flex_attention import create_mask
+
     q_block, kv_block = (block_size, block_size) if isinstance(block_size, int) else block_size
     limit = max_elements if max_elements is not None else settings.mask_chunk_elements()
     per_row = (batch or 1) * (heads or 1) * kv_len

@@ -92,8 +92,8 @@ def raise_recompile_limit(floor: int) -> None:
 def dynamic_trace_settings() -> Iterator[None]:
     """What a dynamic graph is traced under: no duck sizing (two sizes equal at trace time stay two symbols) and
     floats specialized (a dynamic float, flex's scale, is traced into a graph AOTAutograd cannot cache).
-    torch 2.11-2.15: ``torch.fx.experimental._config.use_duck_shape``, ``torch._dynamo.config.specialize_float``; on torch
-    < 2.12 the patch is process-wide while it lasts."""
+    torch 2.11-2.15: ``torch.fx.experimental._config.use_duck_shape``, ``torch._dynamo.config.specialize_float``;
+    on torch < 2.12 the patch is process-wide while it lasts."""
     import torch._dynamo.config as dynamo_config
     import torch.fx.experimental._config as fx_config
 

@@ -346,4 +346,3 @@ def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
             )
         return "{ " + ", ".join(f"{k} = {int(v)}" for k, v in seq_lens.items()) + " }"
     return f"[{', '.join(str(int(n)) for n in seq_lens)}]"
-
