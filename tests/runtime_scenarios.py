@@ -337,8 +337,10 @@ def not_warmed(artifact: str, cache: str) -> dict[str, Any]:
 def background(artifact: str, cache: str) -> dict[str, Any]:
     """activate(warmup="background") returns at once; 3 threads call at once and wait for it, then are served."""
     t0 = time.perf_counter()
-    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    activation = runtime.activate(artifact, cache_dir=cache, warmup="background")
     returned = time.perf_counter() - t0
+    assert activation.warmup is not None
+    done_at_return = activation.warmup.done.is_set()
     errors: list[str] = []
 
     def worker() -> None:
@@ -356,6 +358,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     rep = runtime.report()
     return {
         "returned": returned,
+        "done_at_return": done_at_return,
         "warmup_seconds": rep.warmup_seconds,
         "errors": errors,
         "first_calls": [(f.warmup, f.thread) for f in rep.first_calls],

@@ -135,9 +135,12 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
 
 
 def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact: Path, tmp_path: Path) -> None:
+    """activate() returns before its warm-up has made a call, and the threads' calls wait for it. What it still does
+    in the foreground (install, and importing inductor: 2.8 s of a 2-config activate() on torch 2.15.0, longer than
+    this warm-up's 0.4 s) is not the warm-up's."""
     out = scenario("background", smoke_artifact, tmp_path)
     assert out["errors"] == [] and out["compiled"] == 0
-    assert out["returned"] < out["warmup_seconds"]
+    assert out["done_at_return"] is False
     assert [w for w, _ in out["first_calls"]] == [True, True]
     assert {t for _, t in out["first_calls"]} == {"kernelpack-warmup"}
 
