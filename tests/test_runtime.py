@@ -45,6 +45,17 @@ def test_four_threads_after_the_warm_up_compile_nothing_20_times(
         assert r["fx_hits"] == (out["configs"] if tier == "inductor-cache" else 0)
 
 
+def _torch_release() -> tuple[int, int]:
+    import torch
+
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[return-value]
+
+
+@pytest.mark.skipif(
+    _torch_release() < (2, 12),
+    reason="torch 2.11 (CPU) segfaults in FakeTensorMode.__enter__ inside the one Dynamo trace of a worker thread "
+    "after torch._dynamo.reset(), the other threads waiting at the gate; the same at df77287 (docs/torch-compat.md)",
+)
 def test_four_threads_first_calls_at_once_without_warm_up_20_times(smoke_artifact: Path, tmp_path: Path) -> None:
     out = scenario("threads_no_warmup", smoke_artifact, tmp_path)
     assert len(out["rounds"]) == 20
