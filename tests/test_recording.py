@@ -14,7 +14,7 @@ from conftest import run_json
 
 from kernelpack import closures, evidence
 from kernelpack.cli import main
-from kernelpack.errors import KernelpackError, RecipeError
+from kernelpack.errors import BuildError, KernelpackError, RecipeError
 from kernelpack.recipe import Config, parse_recipe
 from kernelpack.record import RecordError, recipe_text, recording, tomllib  # tomli on 3.10
 from kernelpack.signature import mask_key, mod_graph
@@ -349,7 +349,15 @@ def test_a_mask_over_a_tensor_records_through_the_factory_the_error_asked_for(
     recipe = tmp_path / "docs.toml"
     assert main(["record", "-o", str(recipe), *right, *job]) == 0
     assert 'mask = "my_masks:make_documents"' in recipe.read_text()
-    built = build_recipe(recipe, tmp_path / "out")
+    try:
+        built = build_recipe(recipe, tmp_path / "out")
+    except BuildError as e:
+        # torch 2.11's CPU flex kernel has no lowering for q and k in one buffer: the build fails naming it
+        import torch
+
+        if torch.__version__.startswith("2.11.") and "same buffer" in str(e):
+            pytest.skip("torch 2.11 cannot compile q and k in one buffer on the CPU; the build says so")
+        raise
     assert built.artifact is not None and not built.failed
     out = _replay(built.artifact, "documents", tmp_path)
     assert out["missed"] == 0 and out["refused"] == [], out
