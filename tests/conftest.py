@@ -91,3 +91,11 @@ def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **o
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
     art.pack(out, art.Manifest.from_dict(data, source=str(out)), files)
     return out
+
+
+def torch_release() -> tuple[int, int]:
+    """This torch's (major, minor), for tests that skip where a torch release is known to fail."""
+    import torch
+
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)

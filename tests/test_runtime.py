@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_json
+from conftest import run_json, torch_release
 
 from kernelpack import runtime
 from kernelpack.artifact import BuiltConfig, Manifest, read_manifest
@@ -45,14 +45,8 @@ def test_four_threads_after_the_warm_up_compile_nothing_20_times(
         assert r["fx_hits"] == (out["configs"] if tier == "inductor-cache" else 0)
 
 
-def _torch_release() -> tuple[int, int]:
-    import torch
-
-    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # type: ignore[return-value]
-
-
 @pytest.mark.skipif(
-    _torch_release() < (2, 13),
+    torch_release() < (2, 13),
     reason="torch 2.11 (CPU) segfaults in FakeTensorMode.__enter__ inside the one Dynamo trace of a worker thread "
     "after torch._dynamo.reset(), the other threads waiting at the gate; the same at df77287 (docs/torch-compat.md)",
 )
@@ -428,7 +422,7 @@ def test_a_per_head_mask_and_one_tensor_as_key_and_value_are_built_and_served(tm
         built = build_recipe(recipe, tmp_path / "out")
     except BuildError as e:
         # torch 2.11's CPU flex kernel has no lowering for key and value in one buffer: the build fails naming it
-        if _torch_release() < (2, 13) and "same buffer" in str(e):
+        if torch_release() < (2, 13) and "same buffer" in str(e):
             assert "alias=k=v" in str(e) and "LoweringException" in str(e)
             pytest.skip("torch < 2.13 cannot compile key and value in one buffer on the CPU; the build says so")
         raise
