@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -35,7 +36,8 @@ class Outcome:
     error: str | None  # why there is no value (the work's exception, a crash, a timeout); None when ok
     returncode: int | None  # None: killed at the timeout
     seconds: float  # the process, start-up included
-    log_tail: str  # the end of its output when it failed; "" when ok
+    log_tail: str  # when it failed: the compiler's first error, else the end of its output; "" when ok
+    log_path: Path | None = None  # its whole output
 
     @property
     def ok(self) -> bool:
@@ -129,15 +131,34 @@ def run(
             why += f" (signal {-rc}; out of memory?)"
         error = f"{error}; {why}" if error else why
     ok = value is not None and rc == 0
-    return Outcome(value=value, error=error, returncode=rc, seconds=seconds, log_tail="" if ok else _tail(log_file))
+    tail = "" if ok else _tail(log_file)
+    return Outcome(value=value, error=error, returncode=rc, seconds=seconds, log_tail=tail, log_path=log_file)
 
 
 def _tail(log_file: Path) -> str:
+    """What to quote of a failed worker's log: the compiler's first error and the lines after it (gcc prints dozens
+    of warnings, and the last lines of the log are warnings), else the log's last lines."""
     try:
         lines = log_file.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    at = next((i for i, line in enumerate(lines) if _COMPILER_ERROR.search(line)), None)
+    if at is not None:
+        return "\n".join(lines[at : at + 4])
     return "\n".join(lines[-LOG_TAIL_LINES:])
+
+
+# gcc/clang/nvcc's error lines (``file.cpp:1091:45: error: ...``), not their warnings
+_COMPILER_ERROR = re.compile(r":\d+(:\d+)?: (fatal )?error:|\berror: ")
+
+
+def first_compiler_error(text: str) -> str | None:
+    """The first compiler error line in ``text`` (an inductor CppCompileError carries gcc's whole output), without
+    the file's directory, or None."""
+    for line in text.splitlines():
+        if _COMPILER_ERROR.search(line):
+            return re.sub(r"^\S*/", "", line.strip())[:500]
+    return None
 
 
 def child_main(work: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[str]) -> int:
@@ -154,6 +175,7 @@ def child_main(work: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[
     except Exception as e:  # the worker must report whatever torch raised (compile error, OOM, ...)
         traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
-        result = {"error": f"{type(e).__name__}: {first}"}
+        compiler = first_compiler_error(str(e))
+        result = {"error": f"{type(e).__name__}: {first}" + (f": {compiler}" if compiler else "")}
     _fs.write_bytes(result_file, json.dumps(result).encode())
     return 0 if "value" in result else 1

@@ -43,9 +43,9 @@ from ._version import __version__
 from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, KernelpackError
 from .keys import BuildKey, differences
 from .recipe import Config, check_name
-from .signature import GRAPHS, CallSignature, Graph
+from .signature import GRAPHS, CallSignature, Graph, mask_key
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Tier 2's functions (kernelpack.precompiled), in the cache tree beside tier 1's files: packed, hashed and installed
 # with them
 PRECOMPILED_DIR = "kernelpack-precompiled"
@@ -133,6 +133,9 @@ class BuiltConfig:
     config: Config
     devices: tuple[int, ...]
     mask_key: str  # what the builder's mask_mod computes (signature.mask_key): the runtime matches calls by it
+    # the mask's values (kernelpack.functions paths) its dynamic graph keeps symbolic, as Dynamo's guards say: they
+    # enter mask_key by type, so one entry covers a call whatever their values (DFlash's S); () for a static config
+    mask_free: tuple[str, ...] = ()
     score_key: str = ""  # what its score_mod computes (signature.score_mod_key); "": the declared none/identity
     compile_seconds: float = 0.0  # the slowest device's first call in the builder
     compile_seconds_by_device: tuple[tuple[int, float], ...] = ()
@@ -143,6 +146,10 @@ class BuiltConfig:
     @property
     def id(self) -> str:
         return self.config.id
+
+    def mask_key_of(self, mask_mod: Any) -> str:
+        """A mask_mod's key as this entry keys masks (its free values by type)."""
+        return mask_key(mask_mod, self.mask_free)
 
     def precompiled_for(self, device: int, graph: Graph) -> Precompiled | None:
         return next((p for p in self.precompiled if p.device == device and p.graph == graph), None)
@@ -236,6 +243,24 @@ class Manifest:
         object.__setattr__(self, "_ranged", tuple(c for c in self.configs if c.config.q_range is not None))
 
     @property
+    def free_sets(self) -> tuple[tuple[str, ...], ...]:
+        """The distinct non-empty :attr:`BuiltConfig.mask_free` of the configs: the ways a call's mask is keyed
+        besides by every value."""
+        return tuple(dict.fromkeys(c.mask_free for c in self.configs if c.mask_free))
+
+    def entry_for(self, signature: CallSignature) -> BuiltConfig | None:
+        """The entry that serves a call with this signature, or None (:meth:`covers` without the nearest)."""
+        entry = self._index.get(signature)
+        if entry is not None:
+            return entry
+        for built in self._ranged:
+            if self._index.get(self.traced(signature, built)) is built and built.config.covers_lengths(
+                signature.q_len, signature.kv_len
+            ):
+                return built
+        return None
+
+    @property
     def recipe_name(self) -> str:
         return str(self.recipe["name"])
 
@@ -260,14 +285,9 @@ class Manifest:
     def covers(self, signature: CallSignature, *, nearest: int = 3) -> Coverage:
         """Whether a call with this signature is served, and by which entry; on a miss, the ``nearest`` covered
         signatures (fewest differing fields first) with their differences."""
-        entry = self._index.get(signature)
+        entry = self.entry_for(signature)
         if entry is not None:
             return Coverage(signature, entry)
-        for built in self._ranged:
-            if self._index.get(self.traced(signature, built)) is built and built.config.covers_lengths(
-                signature.q_len, signature.kv_len
-            ):
-                return Coverage(signature, built)
         ranked = sorted(
             ((s, c, _differences(s, c, signature)) for s, c in self._index.items()),
             key=lambda x: (len(x[2]), x[0].describe()),
@@ -297,6 +317,7 @@ class Manifest:
                     "params": c.config.to_dict(),
                     "devices": list(c.devices),
                     "mask_key": c.mask_key,
+                    **({"mask_free": list(c.mask_free)} if c.mask_free else {}),
                     **({"score_key": c.score_key} if c.score_key else {}),
                     "compile_seconds": c.compile_seconds,
                     "compile_seconds_by_device": {str(dev): s for dev, s in c.compile_seconds_by_device},
@@ -450,9 +471,12 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     by_device = entry.get("compile_seconds_by_device", {})
     if not isinstance(by_device, dict):
         raise TypeError("compile_seconds_by_device must be an object")
-    mask_key = entry.get("mask_key", config.mask_label)  # written since 0.1.0's typed manifest; the label before
-    if not isinstance(mask_key, str):
+    key = entry.get("mask_key")
+    if not isinstance(key, str):
         raise TypeError("mask_key must be a string")
+    free = _list(entry.get("mask_free", []))
+    if not all(isinstance(p, str) for p in free):
+        raise TypeError("mask_free must be a list of strings")
     score_key = entry.get("score_key", "")
     if not isinstance(score_key, str):
         raise TypeError("score_key must be a string")
@@ -468,7 +492,8 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     return BuiltConfig(
         config=config,
         devices=devices,
-        mask_key=mask_key,
+        mask_key=key,
+        mask_free=tuple(free),
         score_key=score_key,
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
         compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),

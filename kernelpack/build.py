@@ -8,6 +8,7 @@ device (compilation is CPU-bound). The per-config caches are merged into one art
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,13 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _fs, _worker, evidence, settings
+from . import _fs, _worker, closures, evidence, settings
 from . import artifact as art
-from .compiled import key_settings, trace_settings
+from .compiled import free_mask_values, key_settings, trace_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
+from .masks import block_mask_for
 from .recipe import Config, Recipe, load_recipe
-from .signature import Graph
+from .signature import Graph, mask_key
 from .workload import check_errors, range_lengths, run_config
 
 
@@ -40,10 +42,12 @@ class ConfigOutcome:
     counters: dict[str, int] = field(default_factory=dict)
     build_key: dict[str, str] | None = None
     mask_key: str = ""
+    mask_free: tuple[str, ...] = ()  # the mask's values the built graph's guards leave free (entering its key by type)
     score_key: str = ""
     key_settings: dict[str, str] = field(default_factory=dict)
     message: str = ""
     log_tail: str = ""
+    log_path: Path | None = None  # the worker's whole output (kept when a build fails)
     cache_dir: Path | None = None
     precompiled: dict[str, Any] = field(default_factory=dict)  # tier 2: {"graphs": {graph: {path, seconds}}, "missing"}
     wall_seconds: float = 0.0  # the worker process, start-up included (a timed-out worker has no ``seconds``)
@@ -125,7 +129,7 @@ def build_recipe(
                 outcomes.append(outcome)
                 progress.config_done(outcome)
         outcomes.sort(key=lambda o: (o.config.id, o.device_index))
-        failed = [o for o in outcomes if not o.ok]
+        failed = _keep_logs([o for o in outcomes if not o.ok])
         built = [o for o in outcomes if o.ok]
         if (failed and not keep_going) or not built:
             ids = [o.config.id for o in failed]
@@ -135,6 +139,24 @@ def build_recipe(
     finally:
         if own_workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _keep_logs(failed: list[ConfigOutcome]) -> list[ConfigOutcome]:
+    """The failed workers with their logs copied out of the work dir (which the build removes) into a directory of
+    their own, so that the failure report can name a log that is still there."""
+    if not failed:
+        return failed
+    logs = Path(tempfile.mkdtemp(prefix="kernelpack-build-logs-"))
+    kept = []
+    for o in failed:
+        if o.log_path is not None and o.log_path.is_file():
+            dest = logs / f"{o.config.id}-d{o.device_index}.log"
+            shutil.copyfile(o.log_path, dest)
+            o = dataclasses.replace(o, log_path=dest)
+        else:
+            o = dataclasses.replace(o, log_path=None)
+        kept.append(o)
+    return kept
 
 
 def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int], out_dir: Path) -> None:
@@ -223,6 +245,8 @@ def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
         lines.append(f"- {o.config.describe()}{device}: {o.message}")
         if o.log_tail:
             lines += ["    " + line for line in o.log_tail.splitlines()]
+        if o.log_path is not None:
+            lines.append(f"    the worker's whole output: {o.log_path}")
     return "\n".join(lines)
 
 
@@ -247,10 +271,12 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         counters=r.get("counters", {}),
         build_key=r.get("build_key"),
         mask_key=r.get("mask_key", ""),
+        mask_free=tuple(r.get("mask_free", ())),
         score_key=r.get("score_key", ""),
         key_settings=r.get("key_settings", {}),
         message="; ".join(messages),
         log_tail=outcome.log_tail,
+        log_path=outcome.log_path,
         cache_dir=cache_dir,
         precompiled=r.get("precompiled", {}),
         wall_seconds=outcome.seconds,
@@ -305,9 +331,10 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
         by_id.setdefault(o.config.id, []).append(o)
     entries = []
     for outs in by_id.values():
-        mask_keys = {o.mask_key for o in outs}
+        mask_keys = {(o.mask_key, o.mask_free) for o in outs}
         if len(mask_keys) != 1:  # a factory that returns another mask per process would never hit
             raise BuildError(f"config {outs[0].config.describe()}: its mask differs between workers: {mask_keys}")
+        mask, free = mask_keys.pop()
         score_keys = {o.score_key for o in outs}
         if len(score_keys) != 1:
             raise BuildError(f"config {outs[0].config.describe()}: its score_mod differs between workers: {score_keys}")
@@ -315,7 +342,8 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
             art.BuiltConfig(
                 config=outs[0].config,
                 devices=tuple(o.device_index for o in outs),
-                mask_key=mask_keys.pop(),
+                mask_key=mask,
+                mask_free=free,
                 score_key=score_keys.pop(),
                 compile_seconds=round(max(o.seconds for o in outs), 3),
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
@@ -357,6 +385,11 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
     lengths = range_lengths(config, 2, seed=int(config.id, 16))
     call = run_config(config, device, lengths=lengths)
     problem = check_errors(config, call.errors)
+    # which of the mask's values the dynamic graph keeps symbolic, as its own guards say: they enter its key by type
+    free = _free_values(config, device) if config.dynamic else ()
+    pinned = _pinned_varying(config, free)
+    if pinned:
+        problem = f"{problem}; {pinned}" if problem else pinned
     retraced = call.lengths_counters.get("frames.ok", 0)
     if retraced or evidence.compiled_anything(call.lengths_counters):
         range_problem = (
@@ -371,12 +404,54 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "errors": call.errors,
         "counters": counters,
         "build_key": probe(config.device, index).to_dict(),
-        "mask_key": call.mask_key,
+        "mask_key": mask_key(block_mask_for(config, device).mask_mod, free),
+        "mask_free": list(free),
         "score_key": call.score_key,
         "key_settings": key_settings(config.device),
         "problem": problem,
         "precompiled": tier2,
     }
+
+
+def _pinned_varying(config: Config, free: tuple[str, ...]) -> str:
+    """Why the dynamic graph does not serve the recipe's range: a closure int that varies over it (an expression of a
+    length that varies, or an "example" of values the job made) which the graph's guards pin to one value (Python
+    control flow on it, a 0/1 value). "" when none is."""
+    ref = config.reference("mask")
+    if not config.dynamic or ref is None:
+        return ""
+    ranged = {n for n, r in (("q_len", config.q_range), ("kv_len", config.kv_range)) if r and r[0] != r[1]}
+    pinned = [
+        p
+        for p, expr in closures.varying(ref).items()
+        if ".shape[" not in p and p not in free and (expr == "example" or any(n in expr for n in ranged))
+    ]
+    if not pinned:
+        return ""
+    return (
+        f"torch's dynamic graph is guarded on the value of the mask's {', '.join(pinned)} (Python control flow on "
+        "it, or a value of 0 or 1), which varies over the recipe's range: one graph would serve one value; record "
+        "with --lengths MIN:MAX:MULTIPLE for a static graph per bucket"
+    )
+
+
+def _free_values(config: Config, device: str) -> tuple[str, ...]:
+    """The mask's closure values that every built graph's guards leave free (:func:`compiled.free_mask_values`),
+    asked of the entries the canonical calls made; () when an entry is not found (then every value is a key)."""
+    import torch
+
+    from .canonical import arguments, make_inputs
+
+    bm = block_mask_for(config, device)
+    free: set[str] | None = None
+    for graph in config.graphs:
+        with torch.set_grad_enabled(graph == "fwd+bwd"):
+            args = arguments(config, make_inputs(config, device, graph, random=False), bm)
+            found = free_mask_values(args, config.mode, True)
+        if found is None:
+            return ()
+        free = set(found) if free is None else free & set(found)
+    return tuple(sorted(free or ()))
 
 
 def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:

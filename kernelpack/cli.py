@@ -429,6 +429,13 @@ def _factory_pairs(pairs: tuple[str, ...], option: str) -> dict[str, str]:
 )
 @click.option("--mask-factory", multiple=True, metavar="QUALNAME=MOD:FACTORY", help="Name a mask by its factory.")
 @click.option("--score-factory", multiple=True, metavar="QUALNAME=MOD:FACTORY", help="Name a score_mod by its factory.")
+@click.option(
+    "--lengths",
+    default=None,
+    metavar="MIN:MAX[:MULTIPLE]",
+    help="The range for lengths that varied (default: 1/2 the smallest to 2x the largest seen); MULTIPLE: static "
+    "buckets instead of one dynamic graph.",
+)
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record_cmd(
     out: str,
@@ -436,15 +443,17 @@ def record_cmd(
     compute: str,
     mask_factory: tuple[str, ...],
     score_factory: tuple[str, ...],
+    lengths: str | None,
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND (after --) and write the recipe of every flex_attention call it made."""
-    from .record import Factories, record_command
+    from .record import Factories, Lengths, record_command
 
     factories = Factories(
         _factory_pairs(mask_factory, "--mask-factory"), _factory_pairs(score_factory, "--score-factory")
     )
-    result = record_command(command, out, compute=compute, name=name, factories=factories)
+    spans = Lengths.parse(lengths) if lengths is not None else None  # before the job runs
+    result = record_command(command, out, compute=compute, name=name, factories=factories, lengths=spans)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     click.echo(

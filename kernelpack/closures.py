@@ -15,9 +15,12 @@ rebuilt function has the job's code object and closure values, so it has the job
 (:func:`kernelpack.signature.mask_key`), its graph and Dynamo's guards on it pass.
 
 Values a reference holds: int, float, bool, str, None (``{"none": true}``: TOML has no null), a torch dtype
-(``{"dtype": "bfloat16"}``), a tuple (``{"tuple": [...]}``), a list, and functions (references). A tensor is not
-one: its values are data, not code; a mask over a tensor needs a factory (:func:`describe` raises
-:class:`NotRebuildable` with a template). Nothing here imports torch at module level.
+(``{"dtype": "bfloat16"}``), a tuple (``{"tuple": [...]}``), a list, functions (references), and tensors by shape and
+dtype (``{"tensor": {"shape": ["batch", "q_len // 16"], "dtype": "int64"}}``: a tensor is an input of the graph, its
+values are data; :func:`rebuild` makes an example). An int or a size may be an expression of the call's dimensions
+(``{"dim": "kv_len - q_len"}``), which :func:`rebuild` evaluates against a recipe point, and an int that varied
+without following one is ``{"example": 1500, "seen": [1024, 4096]}``. The walk over a function is
+:mod:`kernelpack.functions`. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import re
 import types
 from collections.abc import Callable
 from typing import Any
 
+from . import functions
 from .errors import KernelpackError
 
-_DEPTH = 6
+# the call's dimensions a tensor's shape or an int may follow (``{"dim": "kv_len - q_len"}``), by Config field name
+DIMS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
 
 
 class NotRebuildable(KernelpackError):
@@ -43,13 +49,15 @@ def describe(fn: Any, kind: str = "mask") -> dict[str, Any]:
     give the same function (checked: same code object, same closure values)."""
     from .signature import mask_key
 
-    ref = _describe(fn, kind, 0)
+    ref = _describe(fn, kind)
+    # example tensors are made where the job's are, so that the key (which holds the device type) compares
+    device = next((n.value.device for n in functions.tree(fn).walk() if n.kind == "tensor"), None)
     try:
         try:
-            rebuilt = rebuild(ref)
+            rebuilt = rebuild(ref, device=device)
         except _Ambiguous:  # two nested functions of one name (if/else, two lambdas): the line tells them apart
             ref["line"] = fn.__code__.co_firstlineno
-            rebuilt = rebuild(ref)
+            rebuilt = rebuild(ref, device=device)
     except KernelpackError as e:  # a decorated factory, two functions of one name, ...: say what to write instead
         raise NotRebuildable(
             f"{_name(fn)} cannot be made again from {ref['function']}: {e.message}", hint=_factory_hint(kind, fn)
@@ -83,16 +91,146 @@ def _label_value(v: Any) -> str:
             return "(" + ", ".join(map(_label_value, v["tuple"])) + ")"
         if "dtype" in v:
             return str(v["dtype"])
+        if "tensor" in v:
+            spec = v["tensor"]
+            return f"tensor[{', '.join(map(str, spec.get('shape', ())))}]:{spec.get('dtype')}"
+        if "dim" in v:
+            return str(v["dim"])
+        if "example" in v:
+            return "int"
         return label(v)
     if isinstance(v, list):
         return "[" + ", ".join(map(_label_value, v)) + "]"
     return repr(v)
 
 
-def rebuild(ref: dict[str, Any]) -> Callable[..., Any]:
+def rebuild(ref: dict[str, Any], dims: Any = None, device: Any = None) -> Callable[..., Any]:
     """The function a reference names. Raises :class:`KernelpackError` naming the reference when it cannot be
-    made here (the module is not importable, the function is gone, a closure variable is missing)."""
-    return _rebuild(ref, 0)  # type: ignore[no-any-return]
+    made here (the module is not importable, the function is gone, a closure variable is missing).
+
+    ``dims``: what the reference's dimension expressions (``{"dim": "kv_len - q_len"}``, a tensor shape's
+    ``"q_len // 16"``) are evaluated against: anything with the attributes of :data:`DIMS` (a recipe Config); a
+    reference that has expressions needs it. ``device``: where example tensors are made (default: the CPU).
+
+    A tensor the function closes over is made as an **example**: its recorded shape and dtype, zeros (ones for a
+    bool tensor). Its values are read at run time, never compiled in, so they need only keep the function's
+    indexing in bounds: an index of 0 is in bounds of any dimension that is not empty, and a bool tensor of ones
+    (keep everything) leaves no query row fully masked that the job's mask would not."""
+    return _rebuild(ref, 0, _Values(dims, device))  # type: ignore[no-any-return]
+
+
+class _Values:
+    """How a reference's values are made: its dimension expressions against ``dims``, its tensors on ``device``."""
+
+    def __init__(self, dims: Any, device: Any) -> None:
+        self.dims = dims
+        self.device = device
+
+    def dim(self, expr: Any) -> int:
+        if isinstance(expr, int) and not isinstance(expr, bool):
+            return expr
+        if self.dims is None:
+            raise KernelpackError(
+                f"the dimension {expr!r} needs the call's dimensions", hint="rebuild(ref, dims=config)"
+            )
+        return evaluate(expr, {d: int(getattr(self.dims, d)) for d in DIMS})
+
+    def tensor(self, spec: Any) -> Any:
+        import torch
+
+        if not isinstance(spec, dict) or not isinstance(spec.get("shape"), list):
+            raise KernelpackError(
+                f"a tensor reference needs a shape list and a dtype, got {spec!r}",
+                hint='{tensor = {shape = ["batch", "q_len // 16"], dtype = "int64"}}',
+            )
+        dtype = _dtype(spec.get("dtype"))
+        shape = [self.dim(d) for d in spec["shape"]]
+        if any(n < 0 for n in shape):
+            raise KernelpackError(f"tensor shape {spec['shape']} is {shape} here: a negative size", hint="")
+        fill = torch.ones if dtype == torch.bool else torch.zeros
+        return fill(shape, dtype=dtype, device=self.device or "cpu")
+
+
+_EXPR = re.compile(r"\s*([a-z_]+|\d+)\s*(?:(//|\*|-|\+)\s*([a-z_]+|\d+)\s*)?")
+
+
+def evaluate(expr: Any, dims: dict[str, int]) -> int:
+    """A dimension expression: ``q_len``, ``q_len // 16``, ``kv_len - q_len``, ``2 * batch`` (one operator at
+    most, on dimension names and integers)."""
+    match = _EXPR.fullmatch(expr) if isinstance(expr, str) else None
+    names = [g for g in (match.groups() if match else ()) if g and g.isidentifier()]
+    if match is None or any(n not in dims for n in names):
+        raise KernelpackError(
+            f"dimension expression {expr!r} is not one kernelpack reads",
+            hint=f"a dimension ({', '.join(DIMS)}) or an integer, or two joined by one of // * - +",
+        )
+    a, op, b = match.groups()
+
+    def term(t: str) -> int:
+        return dims[t] if t.isidentifier() else int(t)
+
+    if op is None:
+        return term(a)
+    x, y = term(a), term(b)
+    if op == "//" and y == 0:
+        raise KernelpackError(f"dimension expression {expr!r} divides by zero", hint="")
+    return {"//": lambda: x // y, "*": lambda: x * y, "-": lambda: x - y, "+": lambda: x + y}[op]()
+
+
+def dim_expressions(value: int, dims: dict[str, int]) -> list[str]:
+    """The expressions of :func:`evaluate`'s kind that give ``value`` at these dimensions, simplest first: what a
+    tensor's size or an int a mask closes over may follow (``q_len // 16``: DFlash's anchor count)."""
+    # the lengths first: a tensor a mask closes over is indexed by positions (q_idx, kv_idx), not by heads
+    out = [d for d in ("batch", "q_len", "kv_len") if dims[d] == value]
+    for d in ("q_len", "kv_len"):
+        for k in (2, 4, 8, 16, 32, 64, 128, 256):
+            if dims[d] % k == 0 and dims[d] // k == value:
+                out.append(f"{d} // {k}")
+    if dims["kv_len"] - dims["q_len"] == value:
+        out.append("kv_len - q_len")
+    if dims["q_len"] - dims["kv_len"] == value:
+        out.append("q_len - kv_len")
+    out += [d for d in ("q_heads", "kv_heads", "head_dim") if dims[d] == value]
+    return out
+
+
+def varying(ref: dict[str, Any]) -> dict[str, str]:
+    """The values of a reference that are not one constant, by path (as :mod:`kernelpack.functions` names them):
+    ``{"S": "kv_len - q_len", "N": "example", "anchors.shape[1]": "q_len // 16"}``: an int or a tensor size that
+    follows the call's dimensions (its expression), or an int that varied without following one ("example")."""
+    out: dict[str, str] = {}
+
+    def visit(v: Any, path: str) -> None:
+        if isinstance(v, dict):
+            if "dim" in v and len(v) == 1:
+                out[path] = str(v["dim"])
+            elif "example" in v:
+                out[path] = "example"
+            elif "tensor" in v and len(v) == 1:
+                for i, d in enumerate(v["tensor"].get("shape", ()) if isinstance(v["tensor"], dict) else ()):
+                    if isinstance(d, str):
+                        out[f"{path}.shape[{i}]"] = d
+            elif "tuple" in v and len(v) == 1:
+                for i, x in enumerate(v["tuple"]):
+                    visit(x, f"{path}[{i}]")
+            elif "function" in v:
+                for name, x in (v.get("closure") or {}).items():
+                    visit(x, f"{path}.{name}" if path else name)
+        elif isinstance(v, list):
+            for i, x in enumerate(v):
+                visit(x, f"{path}[{i}]")
+
+    visit(ref, "")
+    return out
+
+
+def _dtype(name: Any) -> Any:
+    import torch
+
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise KernelpackError(f"unknown dtype {name!r} in a function reference", hint="e.g. bfloat16, int64, bool")
+    return dtype
 
 
 class _Ambiguous(KernelpackError):
@@ -100,40 +238,10 @@ class _Ambiguous(KernelpackError):
         super().__init__(message, hint="record again, or write a factory")
 
 
-def same_function(a: Any, b: Any, depth: int = 0) -> bool:
-    """Whether ``b`` is ``a`` made again: the same code object, defaults and closure values (functions among them
-    compared the same way)."""
-    if a is b:
-        return True
-    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
-    if code_a is None or code_a is not code_b or depth > _DEPTH:
-        return False
-    cells_a = [_cell(c) for c in (a.__closure__ or ())]
-    cells_b = [_cell(c) for c in (b.__closure__ or ())]
-    return (
-        _same_value(a.__defaults__, b.__defaults__, depth)
-        and _same_value(a.__kwdefaults__, b.__kwdefaults__, depth)
-        and _same_value(cells_a, cells_b, depth)
-    )
-
-
-def _same_value(a: Any, b: Any, depth: int) -> bool:
-    if hasattr(a, "__code__") or hasattr(b, "__code__"):
-        return same_function(a, b, depth + 1)
-    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
-        return (
-            type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, depth) for x, y in zip(a, b, strict=True))
-        )
-    if isinstance(a, dict) or isinstance(b, dict):
-        return type(a) is type(b) and a.keys() == b.keys() and all(_same_value(a[k], b[k], depth) for k in a)
-    return type(a) is type(b) and a == b
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
+def same_function(a: Any, b: Any) -> bool:
+    """Whether ``b`` is ``a`` made again: the same code objects, defaults and closure values (a tensor by dtype and
+    shape: :func:`kernelpack.functions.same`)."""
+    return functions.same(a, b, values=True)
 
 
 def _name(fn: Any) -> str:
@@ -143,18 +251,26 @@ def _name(fn: Any) -> str:
 # ------------------------------------------------------------------------------------------------ describe
 
 
-def _describe(fn: Any, kind: str, depth: int) -> dict[str, Any]:
-    if depth > _DEPTH:
-        raise NotRebuildable(f"{_name(fn)}: functions nested deeper than {_DEPTH}", hint=_factory_hint(kind, fn))
+def _describe(fn: Any, kind: str, depth: int = 0) -> dict[str, Any]:
     if isinstance(fn, types.MethodType):
         raise NotRebuildable(
             f"{_name(fn)} is a bound method (of {type(fn.__self__).__name__})", hint=_factory_hint(kind, fn)
         )
-    if not isinstance(fn, types.FunctionType):
+    root = functions.tree(fn)
+    if root.kind != "function":
         raise NotRebuildable(f"{kind} {fn!r} is a {type(fn).__name__}, not a function", hint=_factory_hint(kind, fn))
-    closure = {}  # first: a tensor needs a factory wherever the function is defined
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-        closure[name] = _value(_cell(cell), fn, name, kind, depth)
+    return _function_ref(root, fn, kind)
+
+
+def _function_ref(node: functions.Node, root: Any, kind: str) -> dict[str, Any]:
+    fn = node.value
+    parts: dict[str, Any] = {"closure": {}, "defaults": [], "kwdefaults": {}}
+    for part, label, child in node.children:  # values first: an unnameable one is the problem wherever fn lives
+        value = _value(child, fn, root, kind)
+        if part == "defaults":
+            parts["defaults"].append(value)
+        else:
+            parts[part][label] = value
     module = fn.__module__
     if module in (None, "__main__", "__mp_main__"):
         raise NotRebuildable(
@@ -174,40 +290,43 @@ def _describe(fn: Any, kind: str, depth: int) -> dict[str, Any]:
     ref: dict[str, Any] = {"function": f"{module}:{location}"}
     if fn.__qualname__ != location:
         ref["qualname"] = fn.__qualname__
-    if closure:
-        ref["closure"] = closure
-    if fn.__defaults__:
-        ref["defaults"] = [_value(v, fn, "a default", kind, depth) for v in fn.__defaults__]
-    if fn.__kwdefaults__:
-        ref["kwdefaults"] = {
-            k: _value(v, fn, f"default {k}", kind, depth) for k, v in sorted(fn.__kwdefaults__.items())
-        }
+    ref.update({k: v for k, v in parts.items() if v})
     return ref
 
 
-def _value(v: Any, fn: Any, name: str, kind: str, depth: int) -> Any:
-    """A closure (or default) value ``name`` of ``fn`` as a reference value."""
-    if v is None:
+def _value(node: functions.Node, fn: Any, root: Any, kind: str) -> Any:
+    """A closure (or default) value of ``fn`` as a reference value."""
+    if node.kind in ("none", "empty"):
         return {"none": True}
-    if isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, types.FunctionType):
-        return _describe(v, kind, depth + 1)
-    if isinstance(v, tuple):
-        return {"tuple": [_value(x, fn, name, kind, depth + 1) for x in v]}
-    if isinstance(v, list):
-        return [_value(x, fn, name, kind, depth + 1) for x in v]
-    kind_of = type(v).__module__ + "." + type(v).__qualname__
-    if kind_of == "torch.dtype":
-        return {"dtype": str(v).removeprefix("torch.")}
-    where = f"{_name(fn)} closes over {name}"
-    if kind_of in ("torch.Tensor", "torch.nn.parameter.Parameter"):
-        shape = "x".join(map(str, v.shape)) or "0-d"
+    if node.kind == "scalar":
+        return node.value
+    if node.kind == "function":
+        return _function_ref(node, root, kind)
+    if node.kind == "tuple":
+        return {"tuple": [_value(c, fn, root, kind) for _, _, c in node.children]}
+    if node.kind == "list":
+        return [_value(c, fn, root, kind) for _, _, c in node.children]
+    if node.kind == "dtype":
+        return {"dtype": str(node.value).removeprefix("torch.")}
+    if node.kind == "tensor" and kind != "mask":  # a score_mod's tensor may require grad: it is not an example
+        shape = "x".join(map(str, node.value.shape)) or "0-d"
         raise NotRebuildable(
-            f"{where}, a tensor ({shape} {str(v.dtype).removeprefix('torch.')}): its values are data, not code",
-            hint=_factory_hint(kind, fn, tensor=(name, v.shape, v.dtype)),
+            f"{_name(fn)} closes over {node.path}, a tensor ({shape} {_dtype_name(node.value.dtype)})",
+            hint=_factory_hint(kind, root),
         )
-    raise NotRebuildable(f"{where}, a {type(v).__name__}", hint=_factory_hint(kind, fn))
+    if node.kind == "tensor":
+        # an input of the graph, not code: its shape and dtype select the graph, its values are read at run time
+        return {"tensor": {"shape": [int(n) for n in node.value.shape], "dtype": _dtype_name(node.value.dtype)}}
+    where = f"{_name(fn)} closes over {node.path or 'a value'}"
+    if node.kind == "deep":
+        raise NotRebuildable(
+            f"{where}: functions nested deeper than {functions.MAX_DEPTH}", hint=_factory_hint(kind, root)
+        )
+    raise NotRebuildable(f"{where}, a {type(node.value).__name__}", hint=_factory_hint(kind, root))
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None = None) -> str:
@@ -259,8 +378,8 @@ def import_module(name: str, what: str) -> types.ModuleType:
         ) from e
 
 
-def _rebuild(ref: Any, depth: int) -> Any:
-    if depth > _DEPTH + 1:
+def _rebuild(ref: Any, depth: int, values: _Values) -> Any:
+    if depth > functions.MAX_DEPTH + 1:
         raise KernelpackError("a function reference nested too deep", hint="write a factory instead")
     if not isinstance(ref, dict) or not isinstance(ref.get("function"), str):
         raise KernelpackError(f"not a function reference: {ref!r}", hint='{function = "pkg.module:qualname", ...}')
@@ -323,35 +442,36 @@ def _rebuild(ref: Any, depth: int) -> Any:
             f"function {spec!r} closes over {list(code.co_freevars)}; the reference gives {sorted(closure_values)}",
             hint="the module changed since the recipe was recorded? record again",
         )
-    cells = tuple(types.CellType(_rebuild_value(closure_values[n], depth)) for n in code.co_freevars)
+    cells = tuple(types.CellType(_rebuild_value(closure_values[n], depth, values)) for n in code.co_freevars)
     defaults = ref.get("defaults")
     fn = types.FunctionType(
         code,
         globals_,
         code.co_name,
-        tuple(_rebuild_value(v, depth) for v in defaults) if defaults else None,
+        tuple(_rebuild_value(v, depth, values) for v in defaults) if defaults else None,
         cells or None,
     )
     fn.__qualname__ = ref.get("qualname", qualname)
     if ref.get("kwdefaults"):
-        fn.__kwdefaults__ = {k: _rebuild_value(v, depth) for k, v in ref["kwdefaults"].items()}
+        fn.__kwdefaults__ = {k: _rebuild_value(v, depth, values) for k, v in ref["kwdefaults"].items()}
     return fn
 
 
-def _rebuild_value(v: Any, depth: int) -> Any:
+def _rebuild_value(v: Any, depth: int, values: _Values) -> Any:
     if isinstance(v, dict):
         if v.get("none") is True and len(v) == 1:
             return None
         if "tuple" in v and len(v) == 1:
-            return tuple(_rebuild_value(x, depth + 1) for x in v["tuple"])
+            return tuple(_rebuild_value(x, depth + 1, values) for x in v["tuple"])
         if "dtype" in v and len(v) == 1:
-            import torch
-
-            dtype = getattr(torch, str(v["dtype"]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise KernelpackError(f"unknown dtype {v['dtype']!r} in a function reference", hint="e.g. bfloat16")
-            return dtype
-        return _rebuild(v, depth + 1)
+            return _dtype(v["dtype"])
+        if "tensor" in v and len(v) == 1:
+            return values.tensor(v["tensor"])
+        if "dim" in v and len(v) == 1:  # an int that follows the call's dimensions (DFlash's S = kv_len - q_len)
+            return values.dim(v["dim"])
+        if "example" in v:  # an int that varied in the job without following a dimension: one value of it
+            return v["example"]
+        return _rebuild(v, depth + 1, values)
     if isinstance(v, list):
-        return [_rebuild_value(x, depth + 1) for x in v]
+        return [_rebuild_value(x, depth + 1, values) for x in v]
     return v

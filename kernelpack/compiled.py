@@ -30,12 +30,12 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
-from . import settings
+from . import functions, settings
 from ._torch import dynamo as _dynamo
 from ._torch import flex as _flex
 from ._torch import fx as _fx
 from ._torch.autograd import in_backward
-from ._torch.inductor import key_settings
+from ._torch.inductor import fix_cpu_flex_split_names, key_settings
 from .errors import KernelpackError
 
 DEFAULT_RECOMPILE_LIMIT = 64
@@ -100,6 +100,25 @@ def serving_entry(arguments: Mapping[str, Any], mode: str = "default", dynamic: 
     return next((g for g in guards if _dynamo.guards_pass(g, f_locals)), None)
 
 
+def free_mask_values(
+    arguments: Mapping[str, Any], mode: str = "default", dynamic: bool = True
+) -> tuple[str, ...] | None:
+    """The values the call's mask_mod closes over (paths of :func:`kernelpack.functions.tree`) that the guards of the
+    entry serving the call leave free: what a dynamic graph keeps symbolic (DFlash's context length S) and so enters
+    the mask key by type. None when no entry serves the call. Ask in the thread that makes the call."""
+    entry = serving_entry(arguments, mode, dynamic)
+    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
+    if entry is None or mask_mod is None:
+        return None
+    values = {
+        n.path: (n.source, "tensor" if n.kind == "tensor" else "scalar")
+        for n in functions.tree(mask_mod).walk()
+        if n.kind in ("scalar", "tensor", "none")
+    }
+    # flex_attention's frame reaches the mask_mod through its block_mask argument
+    return tuple(sorted(_dynamo.free_values(entry, "L['block_mask'].mask_mod", values)))
+
+
 def dynamo_hit(
     arguments: Mapping[str, Any], served_by: Collection[Any], mode: str = "default", dynamic: bool = False
 ) -> Any:
@@ -130,6 +149,8 @@ def trace_settings(dynamic: bool) -> Iterator[None]:
     if not dynamic:
         yield
         return
+    # a dynamic graph keeps a mask's closure ints symbolic, which inductor's CPU template renames wrongly
+    fix_cpu_flex_split_names()
     # Floats specialized, as in a static graph: a dynamic float (flex's scale) is traced into a graph AOTAutograd
     # cannot cache, compiled again in every process (CPU, torch 2.13: one AOTAutograd miss per fresh process).
     with _dynamo.dynamic_trace_settings():

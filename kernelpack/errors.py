@@ -209,32 +209,34 @@ class NotPrecompiledError(KernelpackError, RuntimeError):
         artifact: str | None,
         only: tuple[str, object, object] | None = None,
         detail: str = "",
+        hint: str | None = None,
     ) -> None:
         """``only``: (field, covered value, call's value) when the nearest covered signature differs in one field;
-        ``detail``: more lines (e.g. the graphs of differing masks)."""
+        ``detail``: more lines (which of the mask's values differ); ``hint``: the fix, when the caller knows it
+        better (a length outside the covered range)."""
         self.call, self.nearest, self.artifact = call, list(nearest), artifact
         lines = [f"flex_attention call not precompiled by {artifact or 'any active artifact'}: {call}"]
-        if nearest:
-            lines.append("nearest covered configs:")
-            lines += [f"  {n}" for n in nearest]
+        if nearest:  # the one field that differs needs one line, not every covered config
+            lines.append("nearest covered config:" if only is not None else "nearest covered configs:")
+            lines += [f"  {n}" for n in (nearest[:1] if only is not None else nearest)]
         if detail:
             lines.append(detail.strip("\n"))
-        hint = (
+        fix = (
             "add this shape to the recipe and rebuild; or activate(strict=False, warmup=False) to compile it here "
             "(slow, logged; only where no other thread runs backward meanwhile)"
         )
         field, _covered, value = only if only is not None else (None, None, None)
         if field == "device_index":
-            hint = DEVICE_HINT
+            fix = DEVICE_HINT
         elif field == "graph" and value == "fwd":
-            hint = (
+            fix = (
                 "this config is built for the training graph only, and this is a forward-only call (no_grad, or "
                 "inputs that do not require grad: reentrant gradient checkpointing runs its forward so): add the "
                 'forward graph to the recipe, graphs = ["fwd", "fwd+bwd"], or use checkpoint(..., use_reentrant=False)'
             )
         elif field == "graph":
-            hint = 'this config is built forward-only: add the training graph, graphs = ["fwd", "fwd+bwd"]'
-        super().__init__("\n".join(lines), hint=hint)
+            fix = 'this config is built forward-only: add the training graph, graphs = ["fwd", "fwd+bwd"]'
+        super().__init__("\n".join(lines), hint=hint or fix)
 
 
 class NotWarmedError(KernelpackError, RuntimeError):

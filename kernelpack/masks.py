@@ -105,7 +105,7 @@ def score_mod_for(config: Config) -> Callable[..., Any] | None:
         return identity_score
     ref = config.reference("score")
     if ref is not None:  # recorded: the job's own function, made again (kernelpack.closures)
-        return closures.rebuild(ref)
+        return closures.rebuild(ref, dims=config)
     return _from_factory(config.score_mod, config, "score_mod", "score_mod(score, b, h, q_idx, kv_idx) -> tensor")
 
 
@@ -122,8 +122,8 @@ def mask_for(config: Config, device: Any = "cpu") -> MaskMod:
         assert config.window is not None
         return BUILTIN[config.mask](config.window)
     ref = config.reference("mask")
-    if ref is not None:  # recorded: the job's own function, made again (kernelpack.closures)
-        return closures.rebuild(ref)
+    if ref is not None:  # recorded: the job's own function, made again at this point (kernelpack.closures)
+        return closures.rebuild(ref, dims=config, device=device)
     return _from_factory(config.mask, config, "mask", "mask_mod(b, h, q_idx, kv_idx) -> bool tensor")
 
 

@@ -8,11 +8,10 @@ is :mod:`kernelpack._torch.aot`.
 
 from __future__ import annotations
 
-import inspect
 import os
-import types
 from typing import Any
 
+from . import functions
 from ._torch.aot import Loaded, compile_call, dumps, guards_pass, loads, unavailable
 from .artifact import PRECOMPILED_DIR
 
@@ -41,30 +40,9 @@ def load(path: str | os.PathLike[str], device: str) -> Loaded:
         return Loaded(loads(f.read()), device)
 
 
-def reads_globals(fn: Any, depth: int = 0) -> str | None:
+def reads_globals(fn: Any) -> str | None:
     """The first global value (not a module, function, class or builtin) that ``fn`` or a function in its closure reads,
     as "name=value", or None. torch drops every guard on a global from a saved function (aot_compile's guard filter:
     ``is_global``), so a mask that reads ``WINDOW`` would run with the builder's value after the job changed it; tier 1
     keeps Dynamo's guard on it. Such a function is left to tier 1."""
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 8:
-        return None
-    scope = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in scope:
-            value = scope[name]
-            if not isinstance(value, (types.ModuleType, type)) and not inspect.isroutine(value):
-                return f"{name}={value!r}"[:200]
-    for inner in (c for c in code.co_consts if isinstance(c, types.CodeType)):  # nested functions, lambdas
-        found = reads_globals(types.FunctionType(inner, scope), depth + 1)
-        if found:
-            return found
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            values = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        for value in values if isinstance(values, (tuple, list)) else (values,):
-            if inspect.isfunction(value) and (found := reads_globals(value, depth + 1)):
-                return found
-    return None
+    return next((f"{n}={v!r}"[:200] for n, v in functions.global_reads(fn) if functions.plain_value(v)), None)

@@ -463,8 +463,9 @@ def _check_ranges(c: Config) -> None:
     ):
         if not (isinstance(rng, tuple) and len(rng) == 2 and all(map(_positive_int, rng)) and rng[0] <= rng[1]):
             raise ConfigError(name, "must be [min, max] with 0 < min <= max", value=rng)
-        if rng[0] <= block:
-            # torch specializes a size of 1 (here: one block) into its own graph, so such lengths are another graph
+        if rng[0] <= block and rng[0] != rng[1]:
+            # torch specializes a size of 1 (here: one block) into its own graph, so such lengths are another graph;
+            # a fixed length (min == max: DFlash's q_len) is one graph whatever it is
             raise ConfigError(
                 name,
                 f"a dynamic range must start above the block size ({block}): a length of one block is another graph",

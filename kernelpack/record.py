@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import math
 import os
 import re
 import shlex
@@ -44,7 +43,7 @@ from typing import Any
 from . import closures, evidence, runtime, settings
 from ._fs import write_bytes
 from .errors import ConfigError, KernelpackError, RecipeError, printable
-from .recipe import BUILTIN_MASKS, SCORE_MODS, Config, check_name, parse_recipe
+from .recipe import BUILTIN_MASKS, SCORE_MODS, Config, Recipe, check_name, parse_recipe
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
 
 if sys.version_info >= (3, 11):
@@ -160,16 +159,23 @@ def recording(
     compute: str = "skip",
     name: str | None = None,
     factories: Factories | None = None,
+    lengths: Lengths | str | None = None,
 ) -> Iterator[Recorder]:
     """Record every flex_attention call made inside the block (any thread) and write their recipe to ``path`` when
     it ends: ``with kernelpack.recording("recipe.toml"): train_one_step()``. Nothing is written when the block
     raises, or when a call cannot be written as a recipe (:class:`RecordError` says which and what to write
-    instead). ``compute``: "skip" (calls through kernelpack's entry return zeros, compile nothing) or "compile"."""
+    instead). ``compute``: "skip" (calls through kernelpack's entry return zeros, compile nothing) or "compile".
+    ``lengths``: the range to write for lengths that varied, ``"MIN:MAX[:MULTIPLE]"`` (see :func:`recipe_text`)."""
+    lengths = Lengths.parse(lengths) if isinstance(lengths, str) else lengths
     recorder = Recorder(compute, factories=factories)
     with runtime.observe_calls(recorder):
         yield recorder
     write_recipe(
-        path, recorder.events, name=name, source=f"kernelpack.recording() in `{shlex.join(sys.argv) or 'python'}`"
+        path,
+        recorder.events,
+        name=name,
+        source=f"kernelpack.recording() in `{shlex.join(sys.argv) or 'python'}`",
+        lengths=lengths,
     )
 
 
@@ -257,6 +263,7 @@ def record_command(
     compute: str = "skip",
     name: str | None = None,
     factories: Factories | None = None,
+    lengths: Lengths | None = None,
 ) -> RecordResult:
     """Run ``command`` (``python train.py ...``) with every Python process of it recording, then write the recipe
     of all their calls to ``out``. Nothing is written when the command fails or a call cannot be written."""
@@ -305,7 +312,7 @@ def record_command(
             f"no Python process of `{source}` imported torch with kernelpack importable",
             hint="run the job with the Python that has kernelpack installed (kernelpack record -- python train.py)",
         )
-    path = write_recipe(target, events, name=name, source=f"`{source}`")
+    path = write_recipe(target, events, name=name, source=f"`{source}`", lengths=lengths)
     notes = tuple(e["note"] for e in events if "note" in e)
     entries = len({json.dumps({**e["call"]["config"], "graphs": None}, sort_keys=True) for e in events if "call" in e})
     return RecordResult(path, entries, processes, seconds, notes)
@@ -483,23 +490,39 @@ def _zeros_fn() -> Any:
 
 
 def recipe_text(
-    events: Sequence[dict[str, Any]], *, name: str, description: str = "", source: str = "path", check: bool = True
+    events: Sequence[dict[str, Any]],
+    *,
+    name: str,
+    description: str = "",
+    source: str = "path",
+    check: bool = True,
+    lengths: Lengths | None = None,
 ) -> str:
-    """The recipe (TOML) of recorded events: one ``[[calls]]`` table per distinct call (its graphs merged), each
-    with a comment saying where it was made. Raises :class:`RecordError` for problem events (each with what to do)
-    or no call; with ``check``, the text is parsed back and must give exactly the recorded configs."""
+    """The recipe (TOML) of recorded events: one ``[[calls]]`` table per graph-selecting variant of a call (its
+    graphs merged), each with a comment saying where it was made.
+
+    Calls that differ only in their lengths and in the ints and tensor sizes their mask closes over are one variant
+    (:func:`_merge_closures`): DFlash's mask at every context length S. Such a variant seen at two or more lengths is
+    one dynamic range, widened beyond the lengths seen (:func:`_range_table`; ``lengths`` sets it, or asks for static
+    buckets). A None where another call has an int (a full layer's window) is another variant: another graph.
+
+    Raises :class:`RecordError` for problem events (each with what to do) or no call; with ``check``, the text is
+    parsed back and every recorded call replayed against it with the keys the runtime uses (:func:`_replay`)."""
     problems = [e["problem"] for e in events if "problem" in e]
     if problems:
         lines = [f"{len(problems)} call(s) cannot be written as a recipe:"]
-        for p in problems:
-            lines.append(f"- {p['call_signature']} ({p['path']} at {p['site'] or 'an unknown site'}): {p['reason']}")
+        by_reason: dict[str, list[dict[str, Any]]] = {}
+        for p in problems:  # one line per reason (a job's many lengths fail for one), with the first call
+            by_reason.setdefault(p["reason"], []).append(p)
+        for reason, same in by_reason.items():
+            p = same[0]
+            others = f" and {len(same) - 1} more call(s)" if len(same) > 1 else ""
+            lines.append(f"- {p['call_signature']}{others} ({p['path']} at {p['site'] or 'an unknown site'}): {reason}")
         hints = list(dict.fromkeys(p["hint"] for p in problems if p.get("hint")))
         raise RecordError("\n".join(lines), hint="\n\n".join(hints))
     entries: dict[str, dict[str, Any]] = {}
-    for e in events:
-        if "call" not in e:
-            continue
-        call = e["call"]
+    calls = _merge_closures([e["call"] for e in events if "call" in e])
+    for call in calls:
         params = dict(call["config"])
         graphs = params.pop("graphs")
         key = json.dumps(params, sort_keys=True)
@@ -535,14 +558,12 @@ def recipe_text(
     if description:
         out.append(f"description = {_toml(description)}")
     out += [f"device = {_toml(devices.pop())}", ""]
-    configs = []
     for group in _length_groups(entries.values()):
         graphs = sorted({g for entry in group for g in entry["graphs"]}, key=GRAPHS.index)
         recorded = [Config.from_dict({**entry["config"], "graphs": graphs}) for entry in group]
-        configs += recorded
         sites = sorted({s for entry in group for s in entry["seen"]})
         indices_seen = sorted({d for entry in group for d in entry["devices"]})
-        for i, (table, comments) in enumerate(_tables(recorded)):
+        for i, (table, comments) in enumerate(_tables(recorded, lengths)):
             out += [_comment(f"# {c}") for c in comments]
             if i == 0:
                 out += [_comment(f"# seen: {s}") for s in sites]
@@ -551,17 +572,117 @@ def recipe_text(
             out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
     text = "\n".join(out)
     if check:
-        recipe = parse_recipe(tomllib.loads(text), path="<recorded recipe>")
-        for config in configs:  # every recorded call is served by the recipe: exactly, in a bucket or a range
-            if not any(_serves(c, config) for c in recipe.configs):  # pragma: no cover - a bug here
-                raise RecordError(
-                    f"the recorded recipe does not cover {config.describe()}", hint="report a kernelpack bug"
-                )
+        _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), [e["call"] for e in events if "call" in e])
     return text
 
 
 # the number of distinct lengths of one otherwise equal call from which record writes a range, not a table each
-RANGE_FROM = 4
+RANGE_FROM = 2
+# record's default range for a length that varied: from half the smallest to twice the largest length seen (torch's
+# one dynamic graph serves any length; the range is what strict mode serves), within one block + 1 .. LENGTH_CAP
+WIDEN = 2
+LENGTH_CAP = 131072
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lengths:
+    """``--lengths MIN:MAX[:MULTIPLE]``: the range record writes for the lengths that varied (a dynamic range; with
+    MULTIPLE, static buckets of that multiple instead)."""
+
+    min: int
+    max: int
+    multiple: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Lengths:
+        parts = text.split(":")
+        try:
+            numbers = [int(p) for p in parts]
+        except ValueError:
+            numbers = []
+        if len(parts) not in (2, 3) or len(numbers) != len(parts) or any(n <= 0 for n in numbers):
+            raise RecordError(
+                f"--lengths {text!r} is not MIN:MAX or MIN:MAX:MULTIPLE (positive integers)",
+                hint="e.g. --lengths 1024:16384 (one dynamic graph) or --lengths 1024:4096:256 (static buckets)",
+            )
+        if numbers[0] > numbers[1]:
+            raise RecordError(f"--lengths {text!r}: MIN {numbers[0]} is above MAX {numbers[1]}", hint="MIN:MAX")
+        return cls(numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else None)
+
+
+def _merge_closures(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recorded calls with each mask's closure written once per variant: calls whose masks differ only in the
+    ints and tensor sizes they close over are one variant, and each such value is written as the constant it was,
+    as the expression of the call's dimensions it followed in every call (``{"dim": "kv_len - q_len"}``, a tensor
+    of shape ``["batch", "q_len // 16"]``), or as an example of the values seen (``{"example": 1500, "seen":
+    [1024, 4096]}``). The builder makes each value again at every recipe point (:func:`kernelpack.closures.rebuild`)
+    and a dynamic graph keeps the varying ones symbolic (their key is their type). A None where another call has an
+    int is another variant: it selects other code."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for call in calls:
+        config = call["config"]
+        closure = config.get("mask_closure")
+        rest = {k: v for k, v in config.items() if k not in ("q_len", "kv_len", "graphs")}
+        if closure is not None:
+            rest["mask_closure"] = _blank(json.loads(closure))
+        groups.setdefault(json.dumps(rest, sort_keys=True), []).append(call)
+    out = []
+    for group in groups.values():
+        closures_ = [c["config"].get("mask_closure") for c in group]
+        if closures_[0] is None:
+            out += group
+            continue
+        dims = [_dims_of(c) for c in group]
+        merged = _merge([json.loads(c) for c in closures_], dims, tensor=False)
+        text = json.dumps(merged, sort_keys=True, separators=(",", ":"))
+        out += [{**c, "config": {**c["config"], "mask_closure": text}} for c in group]
+    return out
+
+
+def _dims_of(call: dict[str, Any]) -> dict[str, int]:
+    return {d: int(call["config"][d]) for d in closures.DIMS}
+
+
+def _blank(v: Any) -> Any:
+    """A closure with its ints and tensor sizes blanked: what the calls of one variant share."""
+    if isinstance(v, bool) or v is None:
+        return v
+    if isinstance(v, int):
+        return "<int>"
+    if isinstance(v, list):
+        return [_blank(x) for x in v]
+    if isinstance(v, dict):
+        if "tensor" in v and len(v) == 1 and isinstance(v["tensor"], dict):
+            return {"tensor": {**v["tensor"], "shape": ["<int>"] * len(v["tensor"].get("shape", ()))}}
+        return {k: _blank(x) for k, x in v.items()}
+    return v
+
+
+def _merge(values: list[Any], dims: list[dict[str, int]], *, tensor: bool) -> Any:
+    """One value for the same position of every call's closure (see :func:`_merge_closures`); a tensor's sizes
+    prefer an expression even when constant (the builder's tensor then follows the recipe point)."""
+    first = values[0]
+    if isinstance(first, int) and not isinstance(first, bool):
+        exprs = [
+            e
+            for e in closures.dim_expressions(first, dims[0])
+            if all(closures.evaluate(e, d) == v for v, d in zip(values, dims, strict=True))
+        ]
+        constant = len(set(values)) == 1
+        if exprs and (tensor or not constant):
+            return {"dim": exprs[0]} if not tensor else exprs[0]
+        if constant:
+            return first
+        return {"example": first, "seen": [min(values), max(values)]}
+    if isinstance(first, list):
+        return [_merge([v[i] for v in values], dims, tensor=tensor) for i in range(len(first))]
+    if isinstance(first, dict):
+        if "tensor" in first and len(first) == 1:
+            shapes = [v["tensor"]["shape"] for v in values]
+            merged = [_merge([s[i] for s in shapes], dims, tensor=True) for i in range(len(shapes[0]))]
+            return {"tensor": {**first["tensor"], "shape": merged}}
+        return {k: _merge([v[k] for v in values], dims, tensor=tensor) for k in first}
+    return first
 
 
 def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
@@ -584,30 +705,25 @@ def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
     return out
 
 
-def _tables(recorded: list[Config]) -> list[tuple[dict[str, Any], list[str]]]:
+def _tables(recorded: list[Config], lengths: Lengths | None = None) -> list[tuple[dict[str, Any], list[str]]]:
     """The ``[[calls]]`` tables of one call recorded at these lengths, each with its comment lines: the call itself
-    for one length; for many, one range, or a table per length where no range serves them all:
-
-    - lengths that are all multiples of one m >= 64 (the job pads): buckets of m, which serve it as it is;
-    - else one dynamic graph for the range, which serves any length without padding."""
+    for one length (unless ``lengths`` asks for a range); for several, one dynamic range over them, widened
+    (:func:`_range_table`), or static buckets when ``lengths`` has a multiple."""
     exact = [(_call_table(c), [c.describe()]) for c in recorded]
-    if len(recorded) == 1:
+    if len(recorded) == 1 and lengths is None:
         return exact
-    proposal = _range_table(recorded)
-    if proposal is None:
-        return exact
-    table, comments = proposal
-    try:  # the proposal must serve every recorded length; else the lengths one by one
+    table, comments = _range_table(recorded, lengths)
+    try:  # the proposal must parse; an invalid one (a range at one block) leaves the lengths one by one
         head = f'name = "r"\ndevice = {_toml(recorded[0].device)}\n[[calls]]\n'
-        built = parse_recipe(tomllib.loads(head + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())))
-    except RecipeError:
-        return exact
-    if not all(any(_serves(c, r) for c in built.configs) for r in recorded):
+        parse_recipe(tomllib.loads(head + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())))
+    except RecipeError as e:
+        if lengths is not None:
+            raise RecordError(f"--lengths: {e}", hint="a range starts above one block (128)") from None
         return exact
     return [(table, comments)]
 
 
-def _range_table(recorded: list[Config]) -> tuple[dict[str, Any], list[str]] | None:
+def _range_table(recorded: list[Config], lengths: Lengths | None) -> tuple[dict[str, Any], list[str]]:
     first = recorded[0]
     rest = _call_table(first)
     for key in ("seq_len", "q_len", "kv_len", "dynamic"):
@@ -616,41 +732,77 @@ def _range_table(recorded: list[Config]) -> tuple[dict[str, Any], list[str]] | N
     lens = [(c.q_len, c.kv_len) for c in recorded]
     tied = all(q == kv for q, kv in lens)
     qs, kvs = sorted({q for q, _ in lens}), sorted({kv for _, kv in lens})
-    m = math.gcd(*qs, *kvs)
-    offsets = sorted({kv - q for q, kv in lens})
-    where = f"{len(lens)} lengths were recorded, q_len {qs[0]}..{qs[-1]}, kv_len {kvs[0]}..{kvs[-1]}"
+    where = f"{len(lens)} length(s) were recorded, q_len {qs[0]}..{qs[-1]}, kv_len {kvs[0]}..{kvs[-1]}"
     # calls made through guarded(dynamic=True) are served by dynamic graphs only
-    buckets = m >= 64 and not first.dynamic and (tied or (len(offsets) <= 4 and qs[0] + offsets[0] > 0))
-    if buckets:
-        if tied:
-            table["seq_len"] = {"min": qs[0], "max": qs[-1], "multiple": m}
-            other = "drop `multiple` and set dynamic = true"
-        else:
-            table["q_len"] = {"min": qs[0], "max": qs[-1], "multiple": m}
-            table["kv_len"] = {"offset": offsets}
-            other = "write q_len and kv_len as ranges { min, max } and set dynamic = true"
-        table.update(rest)
-        return table, [
-            f"{where}, all multiples of {m}: buckets of {m} (static graphs; the job already pads to them)",
-            f"for one graph that serves any length, {other}",
-        ]
+    if lengths is not None and lengths.multiple is not None and first.dynamic:
+        raise RecordError(
+            "--lengths MIN:MAX:MULTIPLE asks for static buckets, but the job calls a dynamic graph "
+            "(guarded(dynamic=True))",
+            hint="drop MULTIPLE: --lengths MIN:MAX",
+        )
+
+    def span(seen: list[int], block: int) -> dict[str, int]:
+        if lengths is not None:
+            out = {"min": lengths.min, "max": lengths.max}
+            if lengths.multiple is not None:
+                out["multiple"] = lengths.multiple
+            return out
+        lo = max(block + 1, seen[0] // WIDEN)
+        return {"min": min(lo, seen[0]), "max": max(seen[-1], min(LENGTH_CAP, seen[-1] * WIDEN))}
+
+    buckets = lengths is not None and lengths.multiple is not None
     if tied:
-        table["seq_len"] = {"min": qs[0], "max": qs[-1]}
+        table["seq_len"] = span(qs, max(first.block_size))
+        what = "seq_len"
     else:
-        table["q_len"] = {"min": qs[0], "max": qs[-1]}
-        table["kv_len"] = {"min": kvs[0], "max": kvs[-1]}
+        # a length that did not vary stays fixed (DFlash's q_len: its anchors times its block); for one dynamic
+        # graph it is the range [q, q]
+        for name, seen, block in (("q_len", qs, first.block_size[0]), ("kv_len", kvs, first.block_size[1])):
+            if len(seen) > 1 or (lengths is not None and name == "kv_len"):
+                table[name] = span(seen, block)
+            else:
+                table[name] = seen[0] if buckets else {"min": seen[0], "max": seen[0]}
+        varied = [
+            n
+            for n in ("q_len", "kv_len")
+            if isinstance(table[n], dict) and ("multiple" in table[n] or table[n]["min"] != table[n]["max"])
+        ]
+        what = " and ".join(varied) or "kv_len"
     table.update(rest)
+    if lengths is not None and lengths.multiple is not None:
+        return table, [
+            f"{where}: static buckets of {lengths.multiple} for {what} (--lengths); pad each batch to one "
+            "(kernelpack.runtime.padded_lengths)"
+        ]
     table["dynamic"] = True
+    source = "--lengths"
+    if lengths is None:
+        source = f"record's default: 1/{WIDEN} of the smallest to {WIDEN}x the largest seen, at most {LENGTH_CAP}"
     return table, [
-        f"{where}: one dynamic graph serves the range as the job calls it",
-        "static buckets run faster kernels (about 1.3x for one flex call on the H200, docs/BENCHMARKS.md): write "
-        "{ min, max, multiple = 256 } without dynamic, and pad each batch to kernelpack.runtime.padded_length(n)",
+        f"{where}: one dynamic graph serves {what} over the range ({source}), as the job calls it, with no padding",
+        "to serve other lengths, record again with --lengths MIN:MAX (MIN:MAX:MULTIPLE for static buckets, which "
+        "run faster kernels but need the job to pad)",
     ]
 
 
+def _replay(recipe: Recipe, calls: list[dict[str, Any]]) -> None:
+    """Every recorded call replayed against the written recipe with the keys the runtime uses: the same call
+    parameters, its lengths in a config's, and its mask's key (the job's values, made again from the recording)
+    equal to the key of the config's mask made at the call's lengths, with the values a dynamic graph keeps
+    symbolic keyed by type. Raises :class:`RecordError` naming the first call no config serves."""
+    for call in calls:
+        recorded = Config.from_dict(call["config"])
+        if not any(_serves(c, recorded) for c in recipe.configs):
+            raise RecordError(
+                f"the recorded recipe does not serve the call {recorded.describe()} (at {call.get('site')})",
+                hint="report it as a kernelpack bug; until then, write the recipe by hand (README, 'Recipe format')",
+            )
+
+
 def _serves(built: Config, call: Config) -> bool:
-    """Whether a recipe's config serves a recorded call: the same call parameters, and its lengths (exactly, or in
-    the config's dynamic range)."""
+    """Whether a recipe's config serves a recorded call: the same call parameters, its lengths (exactly, or in the
+    config's dynamic range) and, for a mask made again from its closure, the same mask key at the call's lengths
+    (see :func:`_replay`)."""
     if not built.covers_lengths(call.q_len, call.kv_len) or (call.dynamic and not built.dynamic):
         return False
     same = dataclasses.replace(
@@ -660,16 +812,39 @@ def _serves(built: Config, call: Config) -> bool:
         q_range=built.q_range,
         kv_range=built.kv_range,
         dynamic=built.dynamic,
+        mask_closure=built.mask_closure if call.mask_closure is not None else None,
+        graphs=built.graphs if set(call.graphs) <= set(built.graphs) else call.graphs,
     )
-    return same.id == built.id
+    if same.id != built.id:
+        return False
+    if call.mask_closure is None:
+        return True
+    from .masks import mask_for
+    from .signature import mask_key
+
+    ref = built.reference("mask")
+    assert ref is not None
+    free = tuple(closures.varying(ref)) if built.dynamic else ()
+    device = call.device
+    try:
+        job = mask_for(call, device)
+        made = mask_for(built.at(call.q_len, call.kv_len), device)
+    except KernelpackError:
+        return False
+    return mask_key(job, free) == mask_key(made, free)
 
 
 def write_recipe(
-    path: str | os.PathLike[str], events: Sequence[dict[str, Any]], *, name: str | None = None, source: str = "a job"
+    path: str | os.PathLike[str],
+    events: Sequence[dict[str, Any]],
+    *,
+    name: str | None = None,
+    source: str = "a job",
+    lengths: Lengths | None = None,
 ) -> Path:
     """:func:`recipe_text` written atomically to ``path`` (name: the file's stem by default)."""
     target = Path(path)
-    text = recipe_text(events, name=name or _stem_name(target), source=source)
+    text = recipe_text(events, name=name or _stem_name(target), source=source, lengths=lengths)
     try:
         write_bytes(target, text.encode())
     except OSError as e:

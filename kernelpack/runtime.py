@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import evidence, precompiled, settings
+from . import evidence, functions, precompiled, settings
 from ._torch.dynamo import compiled_already
 from ._torch.inductor import CONFIG_HINT
 from .artifact import BuiltConfig, Coverage, Manifest
@@ -67,7 +67,7 @@ from .compiled import (
 )
 from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, install_artifact
-from .masks import block_mask_for, score_mod_for
+from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
@@ -444,10 +444,11 @@ def _warm_up(state: _State, activation: Activation) -> None:
                 with torch.cuda.device(index) if config.device == "cuda" else contextlib.nullcontext():
                     bm = block_mask_for(config, device)
                     score_mod = score_mod_for(config)
-                if mask_key(bm.mask_mod) != built.mask_key:
+                if built.mask_key_of(bm.mask_mod) != built.mask_key:
                     for sig in sigs:
                         warm.skipped[sig] = (
-                            f"its mask computes {mask_key(bm.mask_mod)!r} here, {built.mask_key!r} in the builder"
+                            f"its mask computes {built.mask_key_of(bm.mask_mod)!r} here, {built.mask_key!r} in the "
+                            "builder"
                         )
                     continue
                 if built.score_key and score_mod_key(score_mod) != built.score_key:
@@ -754,8 +755,21 @@ def _closes_over_no_tensor(score_mod: Callable[..., Any] | None) -> bool:
     return graph is not None and not graph.reads_tensors
 
 
-def _signature(mode: str, dynamic: bool, arguments: dict[str, Any]) -> CallSignature:
-    return signature_of(arguments, mode, dynamic)
+def _signature(mode: str, dynamic: bool, arguments: Mapping[str, Any]) -> CallSignature:
+    """The call's signature as the active artifact keys it: its mask by every value, or, where that is not covered,
+    with the values a dynamic config's graph keeps symbolic by type (:attr:`BuiltConfig.mask_free`: DFlash's S),
+    when that is covered."""
+    sig = signature_of(arguments, mode, dynamic)
+    active = _state.active
+    manifest = active.manifest if active is not None else None
+    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
+    if manifest is None or mask_mod is None or not manifest.free_sets or manifest.entry_for(sig) is not None:
+        return sig
+    for free in manifest.free_sets:
+        keyed = dataclasses.replace(sig, mask=mask_key(mask_mod, free))
+        if manifest.entry_for(keyed) is not None:
+            return keyed
+    return sig
 
 
 def _serve(
@@ -817,12 +831,10 @@ def _serve(
     coverage = active.covers(sig)
     error: KernelpackError
     if coverage.entry is None and active.strict:
-        error = refusal(
-            coverage, active.artifact, detail=_mask_graphs(warm, arguments) if _mask_differs(coverage) else ""
-        )
+        error = refusal(coverage, active.artifact, detail=_mask_detail(active, coverage, arguments))
         why = "not covered by the artifact (strict mode)"
     else:
-        error = _not_warmed(warm, coverage, arguments)
+        error = _not_warmed(active, warm, coverage, arguments)
         why = error.reason.splitlines()[0]
     with state.lock:
         state.refused.append((sig, why))
@@ -867,29 +879,10 @@ def _runs_warmed_code(warm: Warmup, arguments: Mapping[str, Any]) -> bool:
     return all(fn is None or any(_same_code(fn, w) for w in warm.mods) for fn in (mask_mod, score_mod))
 
 
-def _same_code(fn: Any, warmed: Any, depth: int = 0) -> bool:
-    """``fn`` is ``warmed``, or a function of the same code object whose closure holds functions of the same code
-    (recursively: a mask built by and_masks or padded() of other masks); other closure values are the guards'."""
-    if fn is warmed:
-        return True
-    code = getattr(fn, "__code__", None)
-    if code is None or code is not getattr(warmed, "__code__", None) or depth > 8:
-        return False
-    cells, warmed_cells = fn.__closure__ or (), warmed.__closure__ or ()
-    if len(cells) != len(warmed_cells):
-        return False
-    for a, b in zip(cells, warmed_cells, strict=True):
-        try:
-            x, y = a.cell_contents, b.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):  # and_masks(*masks) keeps them in a tuple
-            pairs = list(zip(x, y, strict=False))
-            if len(x) != len(y) or not all(_same_code(a, b, depth + 1) for a, b in pairs if callable(a) or callable(b)):
-                return False
-        elif (callable(x) or callable(y)) and not isinstance(x, type) and not _same_code(x, y, depth + 1):
-            return False
-    return True
+def _same_code(fn: Any, warmed: Any) -> bool:
+    """``fn`` is ``warmed``, or runs its code: the same code objects throughout (a mask built by and_masks or
+    padded() of other masks); the values are the guards' (:func:`kernelpack.functions.same`)."""
+    return functions.same(fn, warmed, values=False)
 
 
 def _substitutes(warm: Warmup, arguments: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -924,24 +917,34 @@ def _mask_differs(coverage: Coverage) -> bool:
     return bool(coverage.nearest) and "mask" in [d[0] for d in coverage.nearest[0].differences]
 
 
-def _mask_graphs(warm: Warmup, arguments: dict[str, Any]) -> str:
-    """The call's mask graph beside the warmed ones, for a refusal whose mask differs."""
+def _mask_detail(active: Activation, coverage: Coverage, arguments: Mapping[str, Any]) -> str:
+    """For a refusal whose nearest covered signature differs in its mask: which of the mask's values differ from the
+    artifact's (``window: 2048 built, None here``), or that it runs other code; "" when that cannot be told."""
+    manifest = active.manifest
     mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
-    graph = mod_graph(mask_mod, "mask") if mask_mod is not None else None
-    if graph is None:
+    if manifest is None or mask_mod is None or not _mask_differs(coverage):
         return ""
-    lines = ["", "this call's mask_mod computes:", *(f"  {line}" for line in graph.text.splitlines())]
-    for key, fns in warm.masks.items():
-        warmed = mod_graph(fns[0], "mask")
-        if warmed is not None and key != graph.key:
-            lines += [
-                f"a warmed mask_mod ({mask_key(fns[0])}) computes:",
-                *(f"  {x}" for x in warmed.text.splitlines()),
-            ]
-    return "\n".join(lines)
+    built = next((c for c in manifest.configs if c.id == coverage.nearest[0].config_id), None)
+    if built is None:
+        return ""
+    try:
+        covered = mask_for(built.config, arguments["query"].device)
+    except Exception:  # a courtesy: the refusal stands without it
+        return ""
+    diffs = functions.differences(covered, mask_mod, built.mask_free)
+    if not diffs:
+        return ""
+    if diffs[0][0] == "code":
+        return (
+            f"the call's mask_mod is {diffs[0][2]}, the artifact's {diffs[0][1]}: other code is another graph (build "
+            "the BlockMask with the function the recipe names)"
+        )
+    shown = "; ".join(f"{path}: {a} built, {b} here" for path, a, b in diffs[:4])
+    more = f" (and {len(diffs) - 4} more)" if len(diffs) > 4 else ""
+    return f"the call's mask closes over other values than the artifact's: {shown}{more}"
 
 
-def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
+def _not_warmed(active: Activation, warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
     sig = coverage.signature
     warmed = sig  # what the warm-up knows it by: a dynamic range config's traced call
     if coverage.entry is not None and coverage.entry.config.q_range is not None:
@@ -955,14 +958,16 @@ def _not_warmed(warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> 
         reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(
             f"  {n.describe()}" for n in coverage.nearest
         )
-        if _mask_differs(coverage):
-            reason += _mask_graphs(warm, arguments)
+        detail = _mask_detail(active, coverage, arguments)
+        if detail:
+            reason += "\n" + detail
         hint = (
             "add it to the recipe and rebuild; non-strict mode compiles uncovered calls only with "
             "activate(warmup=False), where no other thread runs backward while a first call compiles"
         )
         if coverage.only is not None and coverage.only[0] == "device_index":
             hint = DEVICE_HINT
+        hint = length_hint(coverage) or hint
     elif warmed in warm.skipped:
         reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[warmed]}"
     else:
@@ -1068,13 +1073,30 @@ def _first_call_at_the_gate(
 
 def refusal(coverage: Coverage, artifact: str | None, *, detail: str = "") -> NotPrecompiledError:
     """Strict mode's error for an uncovered call: the call, the nearest covered signatures with what differs, and
-    the one field that differs when only one does (device index: pinning; graph: the recipe's graphs)."""
+    the one field that differs when only one does (device index: pinning; graph: the recipe's graphs; a length: the
+    covered range and the fix)."""
     return NotPrecompiledError(
         coverage.signature.describe(),
         [n.describe() for n in coverage.nearest],
         artifact=artifact,
         only=coverage.only,
         detail=detail,
+        hint=length_hint(coverage),
+    )
+
+
+def length_hint(coverage: Coverage) -> str | None:
+    """The fix for a call the nearest covered config misses only in its lengths: the covered range (or lengths) and
+    the three ways to serve it. None when something else differs too."""
+    if not coverage.nearest:
+        return None
+    diffs = coverage.nearest[0].differences
+    if not diffs or any(name not in ("q_len", "kv_len") for name, _, _ in diffs):
+        return None
+    told = ", ".join(f"{name} {value} (covered: {covered})" for name, covered, value in diffs)
+    return (
+        f"{told}: widen the range (kernelpack record --lengths MIN:MAX, or the recipe's {{ min, max }}) and rebuild, "
+        "pad the batch to a covered length (kernelpack.runtime.padded_lengths), or add a bucket for it"
     )
 
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+from . import functions
 
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -252,75 +253,39 @@ def score_mod_key(score_mod: Callable[..., Any] | None) -> str:
         return "none"
     graph = mod_graph(score_mod, "score")
     if graph is None:
-        return "code#" + _function_digest(score_mod, depth=0)[:12] if hasattr(score_mod, "__code__") else "opaque"
+        return "code#" + functions.key(score_mod)[:12] if hasattr(score_mod, "__code__") else "opaque"
     return "identity" if graph.text == "return score" else f"graph#{graph.key}"
 
 
 # ------------------------------------------------------------------------------------------------ mask fingerprints
 
-_mask_keys: weakref.WeakKeyDictionary[Callable[..., Any], str] = weakref.WeakKeyDictionary()
+_mask_keys: weakref.WeakKeyDictionary[Callable[..., Any], dict[frozenset[str], str]] = weakref.WeakKeyDictionary()
 
 
-def mask_key(mask_mod: Callable[..., Any] | None) -> str:
+def mask_key(mask_mod: Callable[..., Any] | None, free: Collection[str] = ()) -> str:
     """A name for what a mask_mod computes, equal across processes for the same code and closure values.
 
     kernelpack's own masks carry it (``sliding_window(1024)``, see :mod:`kernelpack.masks`); any other function is
-    named by its qualname and a hash of its bytecode, constants, global names and closure values (function names and
-    files do not enter inductor's keys either). Computed once per function object, not per call."""
+    named by its qualname and :func:`kernelpack.functions.key` (its code and closure values; function names and
+    files do not enter inductor's keys either). ``free``: the closure paths a dynamic graph keeps symbolic, which
+    enter by type (the manifest records them per config). Computed once per function object, not per call."""
     if mask_mod is None:
         return "none"
     tag = getattr(mask_mod, "kernelpack_mask", None)
     if tag is not None:
         return str(tag)
+    free = frozenset(free)
     try:
-        return _mask_keys[mask_mod]
+        return _mask_keys[mask_mod][free]
     except (KeyError, TypeError):
         pass
     code = getattr(mask_mod, "__code__", None)
     if code is None:
         return f"{type(mask_mod).__qualname__}@{id(mask_mod):x}"  # not a plain function: never equal to another
-    key = f"{getattr(mask_mod, '__qualname__', 'mask_mod')}#{_function_digest(mask_mod, depth=0)[:12]}"
+    key = f"{getattr(mask_mod, '__qualname__', 'mask_mod')}#{functions.key(mask_mod, free)[:12]}"
     with contextlib.suppress(TypeError):
-        _mask_keys[mask_mod] = key
+        _mask_keys.setdefault(mask_mod, {})[free] = key
     return key
-
-
-def _function_digest(fn: Any, depth: int) -> str:
-    h = hashlib.sha256(_code_digest(fn.__code__))
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            value = None
-        h.update(_value_digest(value, depth).encode())
-    # defaults are values the code reads (``def m(b, h, q, kv, w=w)``, the late-binding idiom); only when set, so
-    # that the keys of functions without them stay as they were
-    for extra in (getattr(fn, "__defaults__", None), getattr(fn, "__kwdefaults__", None)):
-        if extra:
-            items = sorted(extra.items()) if isinstance(extra, dict) else extra
-            h.update(b"defaults" + _value_digest(tuple(items), depth).encode())
-    return h.hexdigest()
-
-
-def _value_digest(value: Any, depth: int) -> str:
-    if isinstance(value, (int, float, bool, str, type(None))):
-        return repr(value)
-    if hasattr(value, "__code__") and depth < 4:  # a mask composed of masks: what they compute
-        return _function_digest(value, depth + 1)
-    if isinstance(value, (tuple, list)) and depth < 4:  # transformers' and_masks(*mask_functions)
-        return "(" + ",".join(_value_digest(v, depth + 1) for v in value) + ")"
-    if type(value).__name__ == "dtype":  # torch.bfloat16 and torch.float32 compute differently
-        return repr(value)
-    return type(value).__name__
-
-
-def _code_digest(code: types.CodeType) -> bytes:
-    # Nested code objects are hashed, not repr()'d: their repr holds a memory address, different in every process.
-    h = hashlib.sha256(code.co_code)
-    h.update(repr(code.co_names).encode())  # `torch.minimum` and `torch.maximum` differ only here
-    for const in code.co_consts:
-        h.update(_code_digest(const) if isinstance(const, types.CodeType) else repr(const).encode())
-    return h.digest()
 
 
 # ------------------------------------------------------------------------------------------------ graphs of mods
@@ -355,7 +320,7 @@ def mod_graph(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGrap
 
     Recorded once per (code object, closure constants, closure-tensor metadata): a job that builds a new closure
     every step pays a dict lookup, not a recording."""
-    key = _mod_cache_key(fn, kind)
+    key = functions.recording_key(fn, kind)
     if key is not None and key in _mod_graphs:
         return _mod_graphs[key]
     graph = _record(fn, kind)
@@ -364,62 +329,6 @@ def mod_graph(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGrap
             _mod_graphs.clear()
         _mod_graphs[key] = graph
     return graph
-
-
-def _mod_cache_key(fn: Any, kind: str, depth: int = 0) -> tuple[Any, ...] | None:
-    """What a function's graph depends on: its code, its defaults and the simple globals it reads, and per closure
-    cell a constant's value, a tensor's metadata or a function's own key. None when some part is not one of these
-    (then the graph is recorded for every call)."""
-    import torch
-
-    code = getattr(fn, "__code__", None)
-    if code is None or depth > 4:
-        return None
-    parts: list[Any] = [kind, code, repr(getattr(fn, "__defaults__", None))]
-    module_globals = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        value = module_globals.get(name)
-        if isinstance(value, (int, float, bool, str)):
-            parts.append((name, value))
-        elif isinstance(value, torch.Tensor):
-            parts.append((name, tuple(value.shape), value.dtype, value.device.type))
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            value = None
-        if isinstance(value, torch.Tensor):
-            parts.append(("tensor", tuple(value.shape), value.dtype, value.device.type))
-        elif value is None or isinstance(value, (int, float, bool, str)):
-            parts.append((type(value).__name__, value))
-        else:
-            sub = _cell_key(value, kind, depth)
-            if sub is None:
-                return None
-            parts.append(sub)
-    return tuple(parts)
-
-
-def _cell_key(value: Any, kind: str, depth: int) -> Any:
-    """A closure cell's part of :func:`_mod_cache_key`: a function's own key, or a tuple's parts; None otherwise."""
-    import torch
-
-    if hasattr(value, "__code__"):
-        return _mod_cache_key(value, kind, depth + 1)
-    if isinstance(value, (tuple, list)) and depth < 4:
-        parts: list[Any] = ["seq"]
-        for v in value:
-            if isinstance(v, torch.Tensor):
-                parts.append(("tensor", tuple(v.shape), v.dtype, v.device.type))
-            elif v is None or isinstance(v, (int, float, bool, str)):
-                parts.append((type(v).__name__, v))
-            else:
-                sub = _cell_key(v, kind, depth + 1)
-                if sub is None:
-                    return None
-                parts.append(sub)
-        return tuple(parts)
-    return None
 
 
 def _record(fn: Callable[..., Any], kind: Literal["mask", "score"]) -> ModGraph | None:

@@ -127,7 +127,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 path = str(Path(result.cache_dir, entry.path))
                 tier2.append(run_precompiled(config, device, path, graph, lengths))
         before = evidence.snapshot()
-        call = run_config(config, device, check=check, lengths=lengths)
+        call = run_config(config, device, check=check, lengths=lengths, free=built.mask_free)
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
         tiers: dict[str, dict[str, Any]] = {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,13 +68,18 @@ def range_lengths(config: Config, n: int, seed: int) -> list[tuple[int, int]]:
 
 
 def run_config(
-    config: Config, device: Any, *, check: bool = True, lengths: list[tuple[int, int]] | None = None
+    config: Config,
+    device: Any,
+    *,
+    check: bool = True,
+    lengths: list[tuple[int, int]] | None = None,
+    free: Collection[str] = (),
 ) -> CallResult:
     """The canonical calls of every graph of the config (:mod:`kernelpack.canonical`): fresh inputs, the canonical
     BlockMask, forward (+ backward), then the reference check. For a dynamic range config, then the same calls at
     each of ``lengths`` (in its ranges), counting what they traced or compiled; checked against the reference at the
-    ends of the ranges."""
-    result = _run_config(config, device, check=check)
+    ends of the ranges. ``free``: the mask's values its manifest entry keys by type (the mask key is so)."""
+    result = _run_config(config, device, check=check, free=free)
     if not lengths:
         return result
     before = snapshot()
@@ -84,7 +90,7 @@ def run_config(
     return dataclasses.replace(result, lengths=list(lengths), lengths_counters=delta(before, snapshot()))
 
 
-def _run_config(config: Config, device: Any, *, check: bool) -> CallResult:
+def _run_config(config: Config, device: Any, *, check: bool, free: Collection[str] = ()) -> CallResult:
     # The public wrapper for the default options, so that verify proves what users call. A dynamic range config is
     # called through it too: it picks the dynamic graph for a call the active artifact's range covers, and in the
     # builder (nothing active) guarded(dynamic=True) is the same compiled callable.
@@ -109,7 +115,7 @@ def _run_config(config: Config, device: Any, *, check: bool) -> CallResult:
             if lse is not None:
                 errors[f"{graph}:lse"] = _rel_error(lse.nan_to_num(0.0, 0.0, 0.0), ref_lse.nan_to_num(0.0, 0.0, 0.0))
     score_key = score_mod_key(score_mod_for(config)) if config.score_mod not in SCORE_MODS else ""
-    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod), score_key=score_key)
+    return CallResult(seconds=seconds, errors=errors, mask_key=mask_key(bm.mask_mod, free), score_key=score_key)
 
 
 @dataclass(frozen=True, slots=True)

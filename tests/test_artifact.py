@@ -348,14 +348,19 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
         art.Manifest.from_dict({**with_configs({**config, "precompiled": [entry, entry]}), "files": [blob]}, source="m")
 
 
-def test_manifest_of_an_older_kernelpack_reads_with_its_fallbacks() -> None:
-    """Before the typed manifest: no per-config devices (the top-level list) and no mask_key (the built-in mask's
-    label is exactly what its mask_mod computes)."""
-    m = art.Manifest.from_dict(with_configs({"params": PARAMS}, devices=[0, 2]), source="old")
-    (c,) = m.configs
-    assert c.devices == (0, 2) and c.mask_key == "sliding_window(1024)"
-    m = art.Manifest.from_dict(with_configs({"params": PARAMS}, device_index=3), source="older")
-    assert m.configs[0].devices == (3,)
+def test_a_manifest_of_format_1_is_refused_and_format_2_needs_every_mask_key() -> None:
+    """Format 2 (issue 33: mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
+    formats, and a config without its mask_key is malformed (the label is no longer what a mask computes)."""
+    old = with_configs({"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"})
+    with pytest.raises(ArtifactError, match=r"unsupported artifact format 1 \(this kernelpack reads 2\)"):
+        art.Manifest.from_dict({**old, "format": 1}, source="old")
+    with pytest.raises(ArtifactError, match="configs: TypeError: mask_key must be a string"):
+        art.Manifest.from_dict(with_configs({"params": PARAMS, "devices": [0]}), source="old")
+    m = art.Manifest.from_dict(
+        with_configs({"params": PARAMS, "devices": [0], "mask_key": "m#1", "mask_free": ["S"]}), source="new"
+    )
+    assert m.configs[0].mask_free == ("S",) and m.free_sets == (("S",),)
+    assert art.Manifest.from_dict(json.loads(m.to_json()), source="again").configs[0].mask_free == ("S",)
 
 
 def test_covers_hit_miss_nearest_and_the_one_field_that_differs() -> None:
@@ -389,7 +394,7 @@ def test_covers_hit_miss_nearest_and_the_one_field_that_differs() -> None:
         ({"params": {**PARAMS, "dtype": "float64"}}, "configs: dtype: unknown value (got 'float64')"),
         ({"params": {**PARAMS, "q_len": "4096"}}, "configs: q_len: must be a positive integer"),
         ({"params": {**PARAMS, "colour": 1}}, "configs: colour: unknown field"),
-        ({"params": PARAMS, "devices": [-1]}, "bad device index -1"),
+        ({"params": PARAMS, "devices": [-1], "mask_key": "sliding_window(1024)"}, "bad device index -1"),
         ({"params": PARAMS, "mask_key": 7}, "mask_key must be a string"),
     ],
 )

@@ -25,6 +25,7 @@ LAYERS = {
     # format: what a call, a recipe, an artifact and the evidence are
     "signature": 1,
     "closures": 1,
+    "functions": 1,
     "recipe": 1,
     "artifact": 1,
     "evidence": 1,

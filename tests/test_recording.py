@@ -72,16 +72,26 @@ def test_values_that_differ_give_masks_that_differ() -> None:
     assert mask_key(user_model.typed_window(64, torch.float32)) != mask_key(user_model.typed_window(64, torch.int64))
 
 
-def test_what_cannot_be_named_says_what_to_write_instead() -> None:
+def test_a_mask_over_a_tensor_is_written_by_shape_and_dtype_and_made_again_as_an_example() -> None:
+    """A tensor a mask closes over is an input of the graph: the reference holds its shape and dtype, the rebuilt
+    mask an example tensor (zeros) of those, with the job's mask key; other values of the tensor are the same key."""
     import torch
 
-    with pytest.raises(closures.NotRebuildable) as tensor:
-        closures.describe(user_model.documents(torch.arange(256) // 100))
-    assert "closes over doc_ids, a tensor (256 int64)" in tensor.value.message
-    hint = tensor.value.hint or ""
-    assert "doc_ids = torch.zeros((256,), dtype=torch.int64" in hint and "def make_documents(config)" in hint
-    assert "from user_model import documents" in hint
-    assert "--mask-factory 'documents.<locals>.same_document=my_masks:make_documents'" in hint
+    fn = user_model.documents(torch.arange(256) // 100)
+    ref = closures.describe(fn)
+    assert ref["closure"]["doc_ids"] == {"tensor": {"shape": [256], "dtype": "int64"}}
+    again = closures.rebuild(json.loads(json.dumps(ref)))
+    doc_ids = again.__closure__[0].cell_contents
+    assert doc_ids.shape == (256,) and doc_ids.dtype == torch.int64 and not doc_ids.any()
+    assert mask_key(again) == mask_key(fn) == mask_key(user_model.documents(torch.arange(256) // 7))
+    assert mask_key(user_model.documents(torch.arange(128) // 7)) != mask_key(fn)  # another shape: another graph
+    assert mask_key(user_model.documents((torch.arange(256) // 7).int())) != mask_key(fn)  # another dtype
+
+
+def test_what_cannot_be_named_says_what_to_write_instead() -> None:
+    with pytest.raises(closures.NotRebuildable) as opaque:
+        closures.describe(user_model.local_window.__globals__["local_window"](64).__class__)  # a class: no code
+    assert "not a function" in opaque.value.message and "--mask-factory" in (opaque.value.hint or "")
 
     script: dict[str, Any] = {"__name__": "__main__"}
     exec("def causal(b, h, q, kv):\n    return q >= kv\n", script)
@@ -201,12 +211,17 @@ def _event(**over: Any) -> dict:
 
 def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
     """Reentrant checkpointing makes the same call under no_grad (fwd) and again in backward (fwd+bwd): one entry
-    with both graphs. A call on cuda:1 asks for --devices."""
+    with both graphs, and a call at another length joins it in one dynamic range (widened: half the smallest to
+    twice the largest length). A call on cuda:1 asks for --devices."""
     events = [_event(graphs=("fwd",)), _event(graphs=("fwd+bwd",)), _event(graphs=("fwd",), q_len=8192)]
     events[1]["call"]["device_index"] = 1
     text = recipe_text(events, name="r")
     recipe = parse_recipe(tomllib.loads(text))
-    assert sorted((c.q_len, c.graphs) for c in recipe.configs) == [(4096, ("fwd", "fwd+bwd")), (8192, ("fwd",))]
+    assert [(c.q_range, c.graphs, c.dynamic) for c in recipe.configs] == [((2048, 16384), ("fwd", "fwd+bwd"), True)]
+    exact = recipe_text(events[:2], name="r")  # one length: the call as it was made
+    assert [(c.q_len, c.q_range, c.graphs) for c in parse_recipe(tomllib.loads(exact)).configs] == [
+        (4096, None, ("fwd", "fwd+bwd"))
+    ]
     assert "build with --devices 0,1" in text
     with pytest.raises(RecordError, match="no flex_attention call was recorded"):
         recipe_text([{"note": "n"}], name="r")
@@ -282,9 +297,9 @@ def test_record_fails_before_the_job_and_writes_nothing_when_it_cannot_write(
     assert not ran.exists() and "its directory does not exist" in capsys.readouterr().err
     assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "-c", "raise SystemExit(3)"]) == 1
     assert "exited with status 3: no recipe written" in capsys.readouterr().err
-    assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "train.py", "documents"]) == 1
+    assert main(["record", "-o", str(tmp_path / "r.toml"), "--", sys.executable, "train.py", "script"]) == 1
     err = capsys.readouterr().err
-    assert "closes over doc_ids, a tensor" in err and "def make_documents(config)" in err
+    assert "defined in the script that was run (__main__)" in err and "move causal into a module" in err
     assert "Traceback" not in err and not (tmp_path / "r.toml").exists()
 
 

@@ -73,6 +73,46 @@ def guard_failure(manager: Any, f_locals: Mapping[str, Any]) -> str:
     return "; ".join(str(p).split("  #")[0].strip() for p in verbose.verbose_code_parts)
 
 
+def free_values(manager: Any, root: str, values: Mapping[str, tuple[str, str]]) -> set[str]:
+    """Which of a function's values a graph's guards leave free: the paths (of ``values``: path -> (source below
+    ``root``, kind "scalar" or "tensor")) that no guard pins to a value. A scalar is pinned by an equality or identity
+    guard (``S == 2048``, ``window is None``, an object id); a type guard (``___check_type_id``) or a relation among
+    symbols (``4 <= flag``, Dynamo's guard on a branch) leaves it free: other values pass the type guard, and Dynamo
+    runs the relations at every call. A tensor is never pinned by value; its dimension ``path.shape[i]`` is free when
+    the tensor guard's ``size=[...]`` has None there (a dynamic dimension). A value no guard names is not read by
+    the graph: free. torch 2.11-2.15: ``GuardManagerWrapper.code_parts`` (the guards' Python source)."""
+    import re
+
+    parts = [str(p) for p in getattr(manager, "code_parts", None) or ()]
+    if not parts:
+        raise unsupported("Dynamo's guard manager lists no guard code (GuardManagerWrapper.code_parts)")
+    free: set[str] = set()
+    for path, (below, kind) in values.items():
+        source = re.escape(root + below) + r"(?![\w.\[])"  # the value itself, not an attribute of it
+        mentions = [p for p in parts if re.search(source, p)]
+        if kind == "tensor":
+            sizes = [
+                m.group(1)
+                for p in mentions
+                if (m := re.search(r"check_tensor\(" + source + r".*?size=\[([^\]]*)\]", p))
+            ]
+            dims = sizes[0].split(",") if sizes else None
+            if dims is None:
+                free.add(f"{path}.shape")  # not read: every dimension is free
+                continue
+            free.update(f"{path}.shape[{i}]" for i, d in enumerate(dims) if d.strip() == "None")
+            continue
+        pinned = any(
+            re.search(source + r"\s*(==|is\b)", p)
+            or re.search(r"(==|\bis)\s*" + source, p)
+            or re.search(r"___check_obj_id\(" + source, p)
+            for p in mentions
+        )
+        if not pinned:
+            free.add(path)
+    return free
+
+
 # ------------------------------------------------------------------------------------------------ config
 
 

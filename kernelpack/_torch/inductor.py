@@ -92,3 +92,57 @@ def watch_cpp_builds(on_build: Callable[[bool], None]) -> None:
         return original(self, *args, **kwargs)
 
     builder.build = build
+
+
+# ------------------------------------------------------------------------------------------------ workarounds
+
+_SPLIT_NAMES = ("kp_flex_q_split_size_", "kp_flex_kv_split_size_")
+
+
+def fix_cpu_flex_split_names() -> None:
+    """Make inductor's CPU flex-attention template compile a mask that closes over ints a dynamic graph keeps
+    symbolic (DFlash's context length), and compute it right.
+
+    The template names its two split-size placeholders like any kernel size (``ks{n}``, n the number of size
+    arguments so far) and renames them with a plain ``str.replace`` over the generated C++, while a closure int's
+    symbol ``s57`` is named ``ks57``: the replace of ``ks5`` also rewrites it to ``cur_kvSplitSize7``. gcc then fails
+    (``'cur_kvSplitSize7' was not declared in this scope``), or, when a symbol's name equals ``ks{n}`` exactly, the
+    mask silently reads the split size instead of the user's value (max error 0.3-0.76 against eager flex on 2.11,
+    2.13, 2.14.1, 2.15.0; ``bench/cpu_flex_split_names.py``). Which masks hit it is arbitrary: symbol ids are a hash of
+    the closure cell's source. Not reported upstream as of 2026-12-01 (the closest, pytorch#136914, is CUDA).
+
+    The fix gives the placeholders names that no ``ks<digits>`` name contains, before the template renames them.
+    Idempotent; costs inductor's import once. torch 2.11-2.15: ``CppFlexAttentionTemplate.modification``, its
+    ``block_vars``, ``codegen.cpp.KernelGroup`` (which modification() imports at call time)."""
+    try:
+        import torch._inductor.lowering  # noqa: F401  (imported first: the template module's imports are circular)
+        from torch._inductor.codegen import cpp
+        from torch._inductor.codegen import cpp_flex_attention_template as template
+    except ImportError as e:
+        raise unsupported("inductor's CPU flex-attention template moved (codegen.cpp_flex_attention_template)") from e
+    cls = template.CppFlexAttentionTemplate
+    original = cls.modification
+    if getattr(original, "kernelpack_split_names", False):
+        return
+
+    @functools.wraps(original)
+    def modification(self: Any, *args: Any, **kwargs: Any) -> Any:
+        split = tuple(getattr(self, "block_vars", None) or ())
+        group = cpp.KernelGroup
+        if len(split) != 2:
+            return original(self, *args, **kwargs)
+
+        class NamedSplits(group):  # type: ignore[misc, valid-type]
+            def __init__(kernel_group: Any, *a: Any, **k: Any) -> None:
+                super().__init__(*a, **k)
+                for symbol, name in zip(split, _SPLIT_NAMES, strict=True):
+                    kernel_group.args.sizevars[symbol] = name
+
+        cpp.KernelGroup = NamedSplits  # type: ignore[misc]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            cpp.KernelGroup = group  # type: ignore[misc]
+
+    modification.kernelpack_split_names = True  # type: ignore[attr-defined]
+    cls.modification = modification  # type: ignore[method-assign]

@@ -3,7 +3,7 @@ transformers model: one) and prints one JSON line: what kernelpack's report says
 
 MODE: block (user_model.Attention through kernelpack.flex_attention), own (the same block through the user's own
 torch.compile(flex_attention)), transformers (a tiny Mistral with attn_implementation="kernelpack"), documents (a
-mask over a tensor)."""
+mask over a tensor), script (a mask defined in this script: the builder cannot import it)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import kernelpack
 from kernelpack import runtime
 
 ap = argparse.ArgumentParser()
-ap.add_argument("mode", choices=["block", "own", "transformers", "documents"])
+ap.add_argument("mode", choices=["block", "own", "transformers", "documents", "script"])
 ap.add_argument("--artifact")
 ap.add_argument("--cache")
 args = ap.parse_args()
@@ -51,6 +51,14 @@ with torch.no_grad():
             hf.register()  # activate() does it when it runs
         model = MistralForCausalLM(config).eval()
         model(torch.randint(0, 128, (1, 256)), use_cache=False)
+    elif args.mode == "script":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+            return q_idx >= kv_idx
+
+        q = torch.randn(1, 2, 256, 16)
+        kernelpack.flex_attention(q, q.clone(), q.clone(), block_mask=create_block_mask(causal, None, None, 256, 256))
     else:
         q = k = v = torch.randn(1, 2, 256, 16)
         doc_ids = torch.arange(256) // 100

@@ -1,0 +1,83 @@
+"""A drafter training job: ``python drafter_job.py [--threads N] [--steps N] [--device cpu|cuda] [--train]
+[--artifact A --cache DIR] [--seed N]``. Each thread trains (``--train``: forward + backward with reentrant
+checkpointing; CUDA) or runs (forward) its own drafter for ``--steps`` steps at a new random context length each
+step, and the job prints one JSON line: the context lengths, whether every step ran, and kernelpack's report when an
+artifact was activated. Nothing in it knows kernelpack but the two lines that activate it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import threading
+import time
+
+import drafter
+import torch
+
+import kernelpack
+from kernelpack import runtime
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--steps", type=int, default=3)
+ap.add_argument("--device", default="cpu")
+ap.add_argument("--train", action="store_true")
+ap.add_argument("--artifact")
+ap.add_argument("--cache")
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
+ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
+args = ap.parse_args()
+hidden, heads, kv_heads, head_dim, blocks, block, window = map(int, args.size.split(","))
+lo, hi = map(int, args.context.split(":"))
+flex = kernelpack.flex_attention  # the job's attention; kernelpack serves it after activate()
+start = time.perf_counter()
+if args.artifact:
+    runtime.activate(args.artifact, cache_dir=args.cache)
+dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+rng = random.Random(args.seed)
+contexts = [[rng.randint(lo, hi) for _ in range(args.steps)] for _ in range(args.threads)]
+first_step_done: list[float] = []
+errors: list[str] = []
+
+
+def train(i: int) -> None:
+    try:
+        torch.manual_seed(i)
+        model = drafter.Drafter(hidden, heads, kv_heads, head_dim, window, flex).to(args.device, dtype)
+        model.checkpoint = args.train
+        for step, s in enumerate(contexts[i]):
+            draft = torch.randn(1, blocks * block, hidden, device=args.device, dtype=dtype)
+            context = torch.randn(1, s, hidden, device=args.device, dtype=dtype)
+            anchors = torch.randint(0, s, (1, blocks), device=args.device)
+            keep = torch.rand(1, blocks, device=args.device) > 0.1
+            if args.train:
+                draft.requires_grad_(True)
+                model(draft, context, anchors, keep).float().square().mean().backward()
+            else:
+                with torch.no_grad():
+                    model(draft, context, anchors, keep)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+            if step == 0:
+                first_step_done.append(time.perf_counter() - start)
+    except Exception as e:  # reported, not raised: the job's line says what failed
+        errors.append(f"thread {i}: {type(e).__name__}: {e}"[:2000])
+
+
+threads = [threading.Thread(target=train, args=(i,)) for i in range(args.threads)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+out = {"contexts": contexts, "errors": errors, "first_step_seconds": max(first_step_done, default=None)}
+if args.artifact:
+    rep = runtime.report()
+    out.update(
+        missed=len(rep.misses),
+        refused=[why for _, why in rep.refused],
+        compiled=len(rep.compiled),
+        dense=len(rep.to_dict().get("dense_calls", [])),
+    )
+print(json.dumps(out))
