@@ -572,7 +572,8 @@ def recipe_text(
             out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
     text = "\n".join(out)
     if check:
-        _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), [e["call"] for e in events if "call" in e])
+        calls = [e["call"] for e in events if "call" in e]
+        _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), calls, lengths)
     return text
 
 
@@ -687,7 +688,9 @@ def _merge(values: list[Any], dims: list[dict[str, int]], *, tensor: bool) -> An
 
 def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
     """The recorded calls grouped by everything but their lengths (and graphs, merged): a group of RANGE_FROM or
-    more becomes one range. Lengths of one block or less stay tables of their own: a range starts above a block."""
+    more becomes one range. A length that varies starts above one block in a range (torch makes a length of one
+    block another graph); one that stays fixed may be anything. Calls through the user's own
+    ``torch.compile(flex_attention)`` stay one table per length: kernelpack cannot make that compile dynamic."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:
         rest = {k: v for k, v in entry["config"].items() if k not in ("q_len", "kv_len")}
@@ -695,9 +698,15 @@ def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
     out = []
     for key in sorted(groups):
         group = sorted(groups[key], key=lambda e: (e["config"]["q_len"], e["config"]["kv_len"]))
-        block = max(group[0]["config"].get("block_size") or (128, 128))
-        long = [e for e in group if min(e["config"]["q_len"], e["config"]["kv_len"]) > block]
-        if len(long) >= RANGE_FROM:
+        block_q, block_kv = group[0]["config"].get("block_size") or (128, 128)
+        qs, kvs = {e["config"]["q_len"] for e in group}, {e["config"]["kv_len"] for e in group}
+        own = any(s.startswith("torch.compile(flex_attention)") for e in group for s in e["seen"])
+        long = [
+            e
+            for e in group
+            if (len(qs) == 1 or e["config"]["q_len"] > block_q) and (len(kvs) == 1 or e["config"]["kv_len"] > block_kv)
+        ]
+        if len(long) >= RANGE_FROM and not own:
             out.append(long)
             out += [[e] for e in group if e not in long]
         else:
@@ -785,18 +794,43 @@ def _range_table(recorded: list[Config], lengths: Lengths | None) -> tuple[dict[
     ]
 
 
-def _replay(recipe: Recipe, calls: list[dict[str, Any]]) -> None:
+def _replay(recipe: Recipe, calls: list[dict[str, Any]], lengths: Lengths | None = None) -> None:
     """Every recorded call replayed against the written recipe with the keys the runtime uses: the same call
     parameters, its lengths in a config's, and its mask's key (the job's values, made again from the recording)
     equal to the key of the config's mask made at the call's lengths, with the values a dynamic graph keeps
     symbolic keyed by type. Raises :class:`RecordError` naming the first call no config serves."""
     for call in calls:
         recorded = Config.from_dict(call["config"])
-        if not any(_serves(c, recorded) for c in recipe.configs):
+        if any(_serves(c, recorded) for c in recipe.configs):
+            continue
+        # static buckets serve a call the job pads to one: the same call at the bucket's lengths
+        buckets = [c for c in recipe.configs if c.q_range is None]
+        padded = [
+            c
+            for c in buckets
+            if c.q_len >= recorded.q_len and c.kv_len >= recorded.kv_len and _serves(c, recorded.at(c.q_len, c.kv_len))
+        ]
+        if padded:
+            continue
+        # the values record wrote as following the lengths (from every call of this variant)
+        refs = [c.reference("mask") or {} for c in buckets if c.mask == recorded.mask]
+        follows = [p for ref in refs[:1] for p in closures.varying(ref) if ".shape[" not in p]
+        if buckets and lengths is not None and lengths.multiple is not None:
             raise RecordError(
-                f"the recorded recipe does not serve the call {recorded.describe()} (at {call.get('site')})",
-                hint="report it as a kernelpack bug; until then, write the recipe by hand (README, 'Recipe format')",
+                f"static buckets (--lengths {lengths.min}:{lengths.max}:{lengths.multiple}) cannot serve the call "
+                f"{recorded.describe()}"
+                + (
+                    f": its mask closes over {', '.join(follows)}, which follow(s) the call's lengths, so a call "
+                    "padded to a bucket keeps its own value and misses the bucket's graph"
+                    if follows
+                    else ": its lengths are above the largest bucket"
+                ),
+                hint="drop MULTIPLE (--lengths MIN:MAX: one dynamic graph serves every length as the job calls it)",
             )
+        raise RecordError(
+            f"the recorded recipe does not serve the call {recorded.describe()} (at {call.get('site')})",
+            hint="report it as a kernelpack bug; until then, write the recipe by hand (README, 'Recipe format')",
+        )
 
 
 def _serves(built: Config, call: Config) -> bool:

@@ -765,11 +765,14 @@ def _signature(mode: str, dynamic: bool, arguments: Mapping[str, Any]) -> CallSi
     mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
     if manifest is None or mask_mod is None or not manifest.free_sets or manifest.entry_for(sig) is not None:
         return sig
+    near = sig
     for free in manifest.free_sets:
         keyed = dataclasses.replace(sig, mask=mask_key(mask_mod, free))
         if manifest.entry_for(keyed) is not None:
             return keyed
-    return sig
+        if near is sig and any(c.mask_key == keyed.mask for c in manifest.configs):
+            near = keyed  # a config's mask, at lengths it does not cover: a refusal then names only the lengths
+    return near
 
 
 def _serve(

@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 def anchored_mask(anchors: torch.Tensor, keep: torch.Tensor, context: int, block: int, window: int | None) -> Any:
     blocks = anchors.shape[1]
 
-    def draft_mask(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    def draft_mask(b, h, q_idx, kv_idx):
         own_block = q_idx // block
         row = own_block.clamp(max=blocks - 1)
         anchor = anchors[b, row]

@@ -54,7 +54,7 @@ with torch.no_grad():
     elif args.mode == "script":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        def causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+        def causal(b, h, q_idx, kv_idx):
             return q_idx >= kv_idx
 
         q = torch.randn(1, 2, 256, 16)
