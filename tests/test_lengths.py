@@ -278,7 +278,8 @@ def test_a_job_recorded_at_many_lengths_gets_one_range_that_serves_other_lengths
     text = recipe.read_text()
     assert text.count("[[calls]]") == 1 and "dynamic = true" in text and "8 lengths were recorded" in text, text
     (config,) = load_recipe(recipe).configs
-    assert config.q_range is not None and config.q_range[0] >= 300 and config.q_range[1] <= 900
+    # widened beyond what was seen (record's default: half the smallest to twice the largest length)
+    assert config.q_range is not None and config.q_range[0] < 300 and config.q_range[1] > 900, config.q_range
     built = build_recipe(recipe, tmp_path / "out", jobs=1)
     assert built.artifact is not None
     lo, hi = config.q_range
@@ -310,8 +311,8 @@ def test_lengths_a_job_already_pads_to_are_written_as_its_buckets() -> None:
     assert "seq_len = { min = 512, max = 4096, multiple = 512 }" in text and "dynamic" not in text.split("[[calls]]")[1]
     configs = parse_recipe(tomllib.loads(text)).configs
     assert {c.q_len for c in configs} == {512 * i for i in range(1, 9)}
-    few = recipe_text([event(n) for n in (512, 1000)], name="r")  # fewer than record.RANGE_FROM: a table each
-    assert few.count("[[calls]]") == 2 and "min =" not in few
+    few = recipe_text([event(n) for n in (512, 1000)], name="r")  # not one multiple: one dynamic range, widened
+    assert few.count("[[calls]]") == 1 and "seq_len = { min = 256, max = 2000 }" in few and "dynamic = true" in few
 
 
 ANCHOR_JOB = """
@@ -421,22 +422,24 @@ def test_a_seq_len_range_covers_equal_lengths_and_independent_ranges_any_pair() 
 
 
 def test_record_keeps_what_no_range_serves_as_tables_of_their_own() -> None:
-    """Decode (q_len 1), lengths of one block, offsets that would give kv_len <= 0 in other buckets, and calls
-    made through guarded(dynamic=True) (served by dynamic graphs only): record still writes a recipe that serves
-    every recorded call."""
+    """Decode (q_len 1, fixed: one dynamic range over kv_len), lengths of one block (a table of their own), offsets
+    that would give kv_len <= 0 in other buckets, and calls made through guarded(dynamic=True) (served by dynamic
+    graphs only): record still writes a recipe that serves every recorded call (recipe_text replays each)."""
     from kernelpack.record import recipe_text
 
     event = _event
     cases = {
-        "decode": [event(1, n) for n in (300, 301, 302, 303)],
-        "short": [event(n, n) for n in (100, 150, 300, 450)],
-        "offsets": [event(256, 256), event(512, 512), event(768, 768), event(1024, 128)],
+        "decode": ([event(1, n) for n in (300, 301, 302, 303)], 1),
+        "short": ([event(n, n) for n in (100, 150, 300, 450)], 2),
+        "offsets": ([event(256, 256), event(512, 512), event(768, 768), event(1024, 128)], 2),
     }
-    for name, events in cases.items():
+    for name, (events, tables) in cases.items():
         text = recipe_text(events, name="r")  # checks that it serves every call
-        assert text.count("[[calls]]") == 4, (name, text)
+        assert text.count("[[calls]]") == tables, (name, text)
+    decode = parse_recipe(tomllib.loads(recipe_text(cases["decode"][0], name="r"))).configs[0]
+    assert (decode.q_range, decode.kv_range, decode.dynamic) == ((1, 1), (150, 606), True)
     dynamic = recipe_text([event(n, n, dynamic=True) for n in (512, 1024, 1536, 2048)], name="r")
-    assert "seq_len = { min = 512, max = 2048 }" in dynamic and "dynamic = true" in dynamic, dynamic
+    assert "seq_len = { min = 256, max = 4096 }" in dynamic and "dynamic = true" in dynamic, dynamic
 
 
 def test_padded_accepts_an_int_or_any_integer_tensor_and_makes_the_builders_tensor() -> None:

@@ -28,17 +28,31 @@ ap.add_argument("--cache")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
 ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
+ap.add_argument("--flex", choices=["kernelpack", "torch"], default="kernelpack", help="torch: torch.compile(flex_attention)")
+ap.add_argument("--mega-save", help="after the steps, write torch.compiler.save_cache_artifacts() here")
+ap.add_argument("--mega-load", help="before the steps, torch.compiler.load_cache_artifacts() of this file")
 args = ap.parse_args()
 hidden, heads, kv_heads, head_dim, blocks, block, window = map(int, args.size.split(","))
 lo, hi = map(int, args.context.split(":"))
-flex = kernelpack.flex_attention  # the job's attention; kernelpack serves it after activate()
+# the job's attention: kernelpack's (served after activate()), or torch's own compile as a job ships it
+if args.flex == "torch":
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    flex = torch.compile(torch_flex)
+else:
+    flex = kernelpack.flex_attention
 start = time.perf_counter()
-if args.artifact:
-    runtime.activate(args.artifact, cache_dir=args.cache)
+if args.mega_load:
+    with open(args.mega_load, "rb") as f:
+        torch.compiler.load_cache_artifacts(f.read())
+activation = runtime.activate(args.artifact, cache_dir=args.cache) if args.artifact else None
+activated = time.perf_counter() - start
+frames_before = torch._dynamo.utils.counters["frames"]["ok"]
 dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 rng = random.Random(args.seed)
 contexts = [[rng.randint(lo, hi) for _ in range(args.steps)] for _ in range(args.threads)]
 first_step_done: list[float] = []
+step_seconds: list[float] = []  # every step after each thread's first
 errors: list[str] = []
 
 
@@ -48,6 +62,7 @@ def train(i: int) -> None:
         model = drafter.Drafter(hidden, heads, kv_heads, head_dim, window, flex).to(args.device, dtype)
         model.checkpoint = args.train
         for step, s in enumerate(contexts[i]):
+            began = time.perf_counter()
             draft = torch.randn(1, blocks * block, hidden, device=args.device, dtype=dtype)
             context = torch.randn(1, s, hidden, device=args.device, dtype=dtype)
             anchors = torch.randint(0, s, (1, blocks), device=args.device)
@@ -62,6 +77,8 @@ def train(i: int) -> None:
                 torch.cuda.synchronize()
             if step == 0:
                 first_step_done.append(time.perf_counter() - start)
+            else:
+                step_seconds.append(time.perf_counter() - began)
     except Exception as e:  # reported, not raised: the job's line says what failed
         errors.append(f"thread {i}: {type(e).__name__}: {e}"[:2000])
 
@@ -71,13 +88,30 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
-out = {"contexts": contexts, "errors": errors, "first_step_seconds": max(first_step_done, default=None)}
+if args.mega_save:
+    saved = torch.compiler.save_cache_artifacts()
+    with open(args.mega_save, "wb") as f:
+        f.write(saved[0] if saved else b"")
+steady = sorted(step_seconds)
+out = {
+    "contexts": contexts,
+    "errors": errors,
+    "first_step_seconds": max(first_step_done, default=None) if len(first_step_done) == args.threads else None,
+    "activate_seconds": activated,
+    "steady_step_seconds": steady[len(steady) // 2] if steady else None,
+    "frames_compiled": torch._dynamo.utils.counters["frames"]["ok"] - frames_before,
+}
 if args.artifact:
     rep = runtime.report()
+    d = rep.to_dict()
     out.update(
         missed=len(rep.misses),
         refused=[why for _, why in rep.refused],
         compiled=len(rep.compiled),
-        dense=len(rep.to_dict().get("dense_calls", [])),
+        dense=len(d["dense"]),
+        warmup_seconds=d["warmup_seconds"],
+        install_seconds=getattr(activation.install, "seconds", None),
+        warm_calls=[(c["tier"], round(c["seconds"], 2)) for c in d["first_calls"] if c["warmup"]],
+        served=sorted({s["tier"] for s in d["served"]}),
     )
 print(json.dumps(out))

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 33 on the H200: the DFlash-shaped drafter job (tests/data/record_project/drafter_job.py) at real size, three
+# drafter threads on one GPU, reentrant checkpointing, a random context length S in [1024, 4096] every step (not
+# rounded), 20 steps. Writes JSON lines and logs under $OUT.
+#   bash bench/dflash_h200.sh a   # record (no option), build --jobs 8, kernelpack x3, cold x1 (saves a mega-cache)
+#   bash bench/dflash_h200.sh b   # cold x2 more, native warm x3 (the cold runs' cache dirs), mega-cache x3
+# Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
+# when every thread's first step is done (drafter_job.py's first_step_seconds).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/tests/data/record_project PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
+python3 -c 'import torch, triton; print("torch", torch.__version__, torch.version.git_version, "triton", triton.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/env.txt"
+D=/tmp/df; mkdir -p $D
+SIZE=4096,32,8,128,512,16,2048
+JOB="python3 tests/data/record_project/drafter_job.py --device cuda --train --threads 3 --size $SIZE --context 1024:4096"
+arm() {  # arm NAME RUN EXTRA...: one fresh process, its JSON line tagged
+  local name=$1 run=$2; shift 2
+  local line; line=$($JOB --steps ${STEPS:-20} --seed $run "$@" 2> "$OUT/$name-$run.log" | tail -1)
+  echo "{\"arm\": \"$name\", \"run\": $run, \"result\": ${line:-null}}" | tee -a "$OUT/arms.jsonl"
+}
+if [[ ${1:-a} == a || ${1:-a} == c ]]; then
+  rm -rf $D/*
+  s=$(date +%s.%N)
+  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
+  echo "record exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/record.log"
+  cp $D/drafter.toml "$OUT/"
+  s=$(date +%s.%N)
+  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
+  echo "build exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/build.log"
+  tail -5 "$OUT/build.log"
+  python3 -m kernelpack.cli inspect --json $D/out/*.kpack > "$OUT/manifest.json" 2>&1
+  for r in 1 2 3; do arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r; [[ $1 == c ]] && break; done
+  [[ $1 == a ]] && TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch --mega-save $D/mega.bin
+fi
+# c: one kernelpack run (activate's phases), then one flex call's speed per way of compiling (bench/dflash_kernels.py)
+if [[ ${1:-a} == c ]]; then
+  for m in dynamic automatic static; do
+    TORCHINDUCTOR_CACHE_DIR=$D/kernels-$m python3 bench/dflash_kernels.py $m 2> "$OUT/kernels-$m.log" | tee -a "$OUT/kernels.jsonl"
+  done
+fi
+if [[ ${1:-a} == b ]]; then
+  for r in 2 3; do TORCHINDUCTOR_CACHE_DIR=$D/cold-$r arm cold $r --flex torch --mega-save $D/mega-$r.bin; done
+  [[ -f $D/mega.bin ]] || cp $D/mega-2.bin $D/mega.bin
+  for r in 1 2 3; do c=$D/cold-$r; [[ -d $c ]] || c=$D/cold-2; TORCHINDUCTOR_CACHE_DIR=$c arm warm $r --flex torch; done
+  for r in 1 2 3; do TORCHINDUCTOR_CACHE_DIR=$D/mega-cache-$r arm mega $r --flex torch --mega-load $D/mega.bin; done
+fi

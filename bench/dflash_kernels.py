@@ -1,0 +1,57 @@
+"""Issue 33: how fast one DFlash-shaped flex call runs (fwd+bwd, q_len 8192, kv_len S + 8192, 32/8 heads, D=128,
+bf16, H200) under each way of compiling it, after it is compiled: ``python bench/dflash_kernels.py MODE``.
+
+- ``dynamic``: torch.compile(flex_attention, dynamic=True) under kernelpack's trace settings (what kernelpack builds):
+  every size and closure int symbolic, q_len, batch and heads too;
+- ``automatic``: torch.compile(flex_attention) (dynamic=None, what a job ships): the first call static, the second at
+  another S recompiles with only what changed symbolic (the kv length, S);
+- ``static``: torch.compile(flex_attention, dynamic=False) at one S (a bucket).
+
+Prints one JSON line: the median seconds of 10 synchronized fwd+bwd calls at random S after the compiles.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+sys.path.insert(0, "tests/data/record_project")
+import drafter  # noqa: E402
+
+from kernelpack.compiled import trace_settings  # noqa: E402
+
+
+def call(fn, s: int) -> float:  # noqa: ANN001
+    anchors = torch.randint(0, s, (1, 512), device="cuda")
+    mask = drafter.anchored_mask(anchors, torch.ones(1, 512, dtype=torch.bool, device="cuda"), s, 16, 2048)
+    bm = create_block_mask(mask, 1, None, 8192, s + 8192, device="cuda")
+    q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 8, s + 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn(q, k, v, block_mask=bm, enable_gqa=True)
+    out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    rng = random.Random(0)
+    fn = torch.compile(flex_attention, dynamic={"dynamic": True, "automatic": None, "static": False}[mode])
+    with trace_settings(mode == "dynamic"):
+        first = [call(fn, 2048), call(fn, 3001)] if mode != "static" else [call(fn, 2048)]
+    lens = [rng.randint(1024, 4096) for _ in range(10)] if mode != "static" else [2048] * 10
+    times = [call(fn, s) for s in lens]
+    frames = torch._dynamo.utils.counters["frames"]["ok"]
+    print(json.dumps({"mode": mode, "first": first, "median": statistics.median(times), "frames": frames}))
+
+
+if __name__ == "__main__":
+    main()
