@@ -26,9 +26,9 @@ from kernelpack._torch.inductor import fix_cpu_flex_split_names
 
 
 def anchored(anchors: torch.Tensor, keep: torch.Tensor, S: int, block: int) -> object:
-    B, N = anchors.shape
+    _, N = anchors.shape
 
-    def mask(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    def mask(b, h, q_idx, kv_idx):
         blk = (q_idx // block).clamp(max=N - 1)
         ctx = (kv_idx < S) & (kv_idx < anchors[b, blk])
         draft = (kv_idx >= S) & ((kv_idx - S) // block == q_idx // block)
@@ -38,7 +38,7 @@ def anchored(anchors: torch.Tensor, keep: torch.Tensor, S: int, block: int) -> o
 
 
 def collision(T: torch.Tensor, A1: object, A2: object, A3: object) -> object:
-    def mask(b, h, q, kv):  # noqa: ANN001, ANN202
+    def mask(b, h, q, kv):
         return A1(A2(A3(kv < T.shape[1] * 20))) & (q >= 0)  # type: ignore[operator]
 
     return mask

@@ -22,12 +22,12 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 sys.path.insert(0, "tests/data/record_project")
-import drafter  # noqa: E402
+import drafter
 
-from kernelpack.compiled import trace_settings  # noqa: E402
+from kernelpack.compiled import trace_settings
 
 
-def call(fn, s: int) -> float:  # noqa: ANN001
+def call(fn, s: int) -> float:
     anchors = torch.randint(0, s, (1, 512), device="cuda")
     mask = drafter.anchored_mask(anchors, torch.ones(1, 512, dtype=torch.bool, device="cuda"), s, 16, 2048)
     bm = create_block_mask(mask, 1, None, 8192, s + 8192, device="cuda")
