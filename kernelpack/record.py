@@ -522,8 +522,8 @@ def recipe_text(
         hints = list(dict.fromkeys(p["hint"] for p in problems if p.get("hint")))
         raise RecordError("\n".join(lines), hint="\n\n".join(hints))
     entries: dict[str, dict[str, Any]] = {}
-    calls = _merge_closures([e["call"] for e in events if "call" in e])
-    for call in calls:
+    recorded_calls = [e["call"] for e in events if "call" in e]
+    for call in _merge_closures(recorded_calls):
         params = dict(call["config"])
         graphs = params.pop("graphs")
         key = json.dumps(params, sort_keys=True)
@@ -573,8 +573,7 @@ def recipe_text(
             out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
     text = "\n".join(out)
     if check:
-        calls = [e["call"] for e in events if "call" in e]
-        _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), calls, lengths)
+        _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), recorded_calls, lengths)
     return text
 
 

@@ -1202,9 +1202,10 @@ def _is_flex_call(frame: Mapping[str, Any] | None) -> bool:
 
 
 def _signature_or_none(frame: Mapping[str, Any]) -> CallSignature | None:
-    # the user's own torch.compile: its mode and dynamic are not in the frame; the defaults stand in
+    # the user's own torch.compile: its mode and dynamic are not in the frame; the defaults stand in. Its mask is
+    # keyed as the artifact keys masks (a dynamic config's free values by type), so the report names the right miss
     try:
-        return signature_of(frame, "default", False)
+        return _signature("default", False, frame)
     except Exception:
         log.debug("no call signature for a compiled flex_attention frame", exc_info=True)
         return None

@@ -7,6 +7,7 @@ context length with nothing compiled; a refusal names the one field that differs
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -238,26 +239,53 @@ def test_a_mask_over_symbolic_closure_ints_compiles_on_cpu_and_computes_what_eag
 # ------------------------------------------------------------------------------------------------ the job
 
 
+def _specforge() -> Any:
+    try:
+        from specforge.algorithms.common import dflash_family_model
+    except Exception:  # not installed (pip install --no-deps specforge==0.2.0), or it does not import here
+        return None
+    return dflash_family_model
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        "own",
+        pytest.param(
+            "specforge", marks=pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed")
+        ),
+    ],
+)
 def test_the_drafter_job_is_recorded_built_and_served_at_every_context_length(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mask: str
 ) -> None:
     """The DFlash-shaped job as its trainer writes it, unchanged: recorded (2 threads, 3 steps) with no option, built
     with no hand edit, then run in fresh processes with 3 threads at context lengths it never recorded: nothing
     compiled, missed, refused or dense. A context beyond the range is refused naming kv_len, the covered range and
-    the fix, not the mask."""
+    the fix, not the mask. ``specforge``: the same job with SpecForge 0.2.0's own ``create_dflash_block_mask``."""
     import os
 
     monkeypatch.chdir(PROJECT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PROJECT), os.environ.get("PYTHONPATH", "")]))
     recipe = tmp_path / "drafter.toml"
-    job = [sys.executable, "drafter_job.py", "--threads", "2", "--steps", "3"]
+    job = [sys.executable, "drafter_job.py", "--threads", "2", "--steps", "3", "--mask", mask]
     assert main(["record", "-o", str(recipe), "--", *job]) == 0
     assert recipe.read_text().count("[[calls]]") == 2
-    assert main(["build", str(recipe), "-o", str(tmp_path / "out")]) == 0
+    assert main(["build", str(recipe), "-o", str(tmp_path / "out"), "--jobs", "2"]) == 0
     (artifact,) = (tmp_path / "out").glob("*.kpack")
-    run = [sys.executable, "drafter_job.py", "--artifact", str(artifact), "--cache", str(tmp_path / "cache")]
+    run = [
+        sys.executable,
+        "drafter_job.py",
+        "--mask",
+        mask,
+        "--artifact",
+        str(artifact),
+        "--cache",
+        str(tmp_path / "c"),
+    ]
     out = run_json([*run, "--threads", "3", "--steps", "4", "--seed", "7"])
-    recorded = {s for steps in run_json([*job, "--seed", "0"])["contexts"] for s in steps}
+    rng = random.Random(0)  # the recorded run's contexts, as drafter_job.py draws them (--seed 0, 2 threads, 3 steps)
+    recorded = {rng.randint(200, 700) for _ in range(2 * 3)}
     assert not recorded & {s for steps in out["contexts"] for s in steps}, "replay at lengths never recorded"
     assert (out["errors"], out["missed"], out["refused"], out["compiled"], out["dense"]) == ([], 0, [], 0, 0), out
     beyond = run_json([*run, "--steps", "1", "--context", "1900:1900"])

@@ -38,9 +38,14 @@ class DraftAttention(nn.Module):
     """One attention layer of the drafter: queries from the draft tokens, keys and values from the context's
     hidden states followed by the draft tokens'."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int | None, flex: Any) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int | None, flex: Any, masks: Any = None
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.window, self.flex = heads, kv_heads, head_dim, window, flex
+        self.masks = (
+            masks  # None: this module's anchored_mask; else f(anchors, keep, context, block, window) -> BlockMask
+        )
         self.q = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v = nn.Linear(hidden, kv_heads * head_dim, bias=False)
@@ -49,9 +54,12 @@ class DraftAttention(nn.Module):
     def forward(self, draft: torch.Tensor, context: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor) -> Any:
         b, n, _ = draft.shape
         block = n // anchors.shape[1]
-        mask_mod = anchored_mask(anchors, keep, context.shape[1], block, self.window)
         keys = torch.cat([context, draft], dim=1)
-        bm = create_block_mask(mask_mod, b, None, n, keys.shape[1], device=draft.device)
+        if self.masks is not None:  # another project's mask builder (SpecForge's create_dflash_block_mask)
+            bm = self.masks(anchors, keep, context.shape[1], block, self.window)
+        else:
+            mask_mod = anchored_mask(anchors, keep, context.shape[1], block, self.window)
+            bm = create_block_mask(mask_mod, b, None, n, keys.shape[1], device=draft.device)
         q = self.q(draft).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(keys).view(b, keys.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(keys).view(b, keys.shape[1], self.kv_heads, self.head_dim).transpose(1, 2)
@@ -63,10 +71,12 @@ class Drafter(nn.Module):
     """A sliding-window layer, then a full one; with ``checkpoint``, each recomputed in backward by reentrant
     gradient checkpointing (its tensors passed positionally: reentrant checkpoint sees only those)."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int, flex: Any) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, window: int, flex: Any, masks: Any = None
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            [DraftAttention(hidden, heads, kv_heads, head_dim, w, flex) for w in (window, None)]
+            [DraftAttention(hidden, heads, kv_heads, head_dim, w, flex, masks) for w in (window, None)]
         )
         self.checkpoint = False
 

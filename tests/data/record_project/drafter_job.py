@@ -29,6 +29,7 @@ ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
 ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
 ap.add_argument("--flex", choices=["kernelpack", "torch"], default="kernelpack", help="torch: its own compile")
+ap.add_argument("--mask", choices=["own", "specforge"], default="own", help="specforge: SpecForge 0.2.0's mask")
 ap.add_argument("--mega-save", help="after the steps, write torch.compiler.save_cache_artifacts() here")
 ap.add_argument("--mega-load", help="before the steps, torch.compiler.load_cache_artifacts() of this file")
 args = ap.parse_args()
@@ -49,6 +50,14 @@ activation = runtime.activate(args.artifact, cache_dir=args.cache) if args.artif
 activated = time.perf_counter() - start
 frames_before = torch._dynamo.utils.counters["frames"]["ok"]
 dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+masks = None
+if args.mask == "specforge":  # SpecForge's own DFlash mask builder, as its trainer calls it (pip install specforge)
+    from specforge.algorithms.common.dflash_family_model import create_dflash_block_mask
+
+    def masks(anchors, keep, context, block, window):
+        return create_dflash_block_mask(anchors, keep, context, block, anchors.device, sliding_window=window)
+
+
 rng = random.Random(args.seed)
 contexts = [[rng.randint(lo, hi) for _ in range(args.steps)] for _ in range(args.threads)]
 first_step_done: list[float] = []
@@ -59,7 +68,7 @@ errors: list[str] = []
 def train(i: int) -> None:
     try:
         torch.manual_seed(i)
-        model = drafter.Drafter(hidden, heads, kv_heads, head_dim, window, flex).to(args.device, dtype)
+        model = drafter.Drafter(hidden, heads, kv_heads, head_dim, window, flex, masks).to(args.device, dtype)
         model.checkpoint = args.train
         for step, s in enumerate(contexts[i]):
             began = time.perf_counter()
