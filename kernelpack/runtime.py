@@ -837,7 +837,7 @@ def _serve(
         error = refusal(coverage, active.artifact, detail=_mask_detail(active, coverage, arguments))
         why = "not covered by the artifact (strict mode)"
     else:
-        error = _not_warmed(active, warm, coverage, arguments)
+        error = _not_warmed(warm, coverage, arguments, active)
         why = error.reason.splitlines()[0]
     with state.lock:
         state.refused.append((sig, why))
@@ -947,7 +947,9 @@ def _mask_detail(active: Activation, coverage: Coverage, arguments: Mapping[str,
     return f"the call's mask closes over other values than the artifact's: {shown}{more}"
 
 
-def _not_warmed(active: Activation, warm: Warmup, coverage: Coverage, arguments: dict[str, Any]) -> NotWarmedError:
+def _not_warmed(
+    warm: Warmup, coverage: Coverage, arguments: dict[str, Any], active: Activation | None = None
+) -> NotWarmedError:
     sig = coverage.signature
     warmed = sig  # what the warm-up knows it by: a dynamic range config's traced call
     if coverage.entry is not None and coverage.entry.config.q_range is not None:
@@ -961,7 +963,7 @@ def _not_warmed(active: Activation, warm: Warmup, coverage: Coverage, arguments:
         reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(
             f"  {n.describe()}" for n in coverage.nearest
         )
-        detail = _mask_detail(active, coverage, arguments)
+        detail = _mask_detail(active, coverage, arguments) if active is not None else ""
         if detail:
             reason += "\n" + detail
         hint = (
@@ -970,7 +972,9 @@ def _not_warmed(active: Activation, warm: Warmup, coverage: Coverage, arguments:
         )
         if coverage.only is not None and coverage.only[0] == "device_index":
             hint = DEVICE_HINT
-        hint = length_hint(coverage) or hint
+        lengths = length_hint(coverage)
+        if lengths:
+            hint = f"{lengths}; non-strict mode compiles uncovered calls only with activate(warmup=False)"
     elif warmed in warm.skipped:
         reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[warmed]}"
     else:

@@ -67,9 +67,9 @@ def test_strict_mode_refuses_an_uncovered_call_naming_it_and_the_nearest(smoke_a
     assert "sliding_window(64)" in out["error"] and "nearest covered configs" in out["error"]
     assert "q_len 256 vs 512" in out["error"] and "rebuild" in out["hint"]
     assert out["compiled"] == 0
-    # a mask in another op order: refused, and the error shows both graphs
-    assert "this call's mask_mod computes:\n  %0 = sub(q_idx, kv_idx)" in out["reordered"]
-    assert "computes:\n  %0 = ge(q_idx, kv_idx)" in out["reordered"]
+    # a mask in another op order: refused, and the error says it is other code than the artifact's (no graph dumps)
+    assert "the call's mask_mod is " in out["reordered"] and "other code is another graph" in out["reordered"]
+    assert "computes:" not in out["reordered"]
 
 
 def test_non_strict_without_warm_up_compiles_under_the_lock_and_warns_once(
@@ -114,8 +114,7 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
     assert out["own_mask"] == "served"  # the user's own function, the same graph: masks by graph
     other_order = out["reordered"]  # the same meaning in another op order: another graph, both shown
     assert other_order["type"] == "NotWarmedError" and "does not cover it" in other_order["error"]
-    assert "this call's mask_mod computes:\n  %0 = sub(q_idx, kv_idx)" in other_order["error"]
-    assert "a warmed mask_mod (sliding_window(64)) computes:\n  %0 = ge(q_idx, kv_idx)" in other_order["error"]
+    assert "other code is another graph" in other_order["error"] and "computes:" not in other_order["error"]
     other = out["other_code"]  # covered by name, but Dynamo guards on the mask function's code object
     assert other["type"] == "NotWarmedError" and "warmed it" in other["error"] and "mask_mod" in other["error"]
     assert "recipe's mask function" in other["hint"]
@@ -239,7 +238,9 @@ def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs()
     assert err.hint is not None and "pin_local_gpu" in err.hint and "--devices" in err.hint
     other_shape = runtime.refusal(manifest.covers(_signature(3, q_len=2048, kv_len=2048)), "a.kpack")
     assert "q_len 4096 vs 2048" in str(other_shape)
-    assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint
+    # only the lengths differ: the covered lengths and the three fixes, not "add this shape"
+    assert other_shape.hint is not None and "q_len 2048 (covered: 4096)" in other_shape.hint
+    assert "widen the range" in other_shape.hint and "padded_lengths" in other_shape.hint
 
 
 def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too() -> None:
@@ -252,7 +253,7 @@ def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too()
     other_shape = runtime._not_warmed(
         runtime.Warmup(background=False), manifest.covers(_signature(3, q_len=2048, kv_len=2048)), {}
     )
-    assert "add it to the recipe" in other_shape.hint
+    assert "add it to the recipe" in other_shape.hint  # the device and the graph differ too: not a length fix
 
 
 def test_refusal_of_a_forward_only_call_against_a_training_only_artifact_names_the_graph_fix() -> None:
@@ -326,7 +327,10 @@ def test_every_miss_is_refused_or_reported_with_the_field_whatever_the_code_path
         # Dynamo re-raises what a compile callback raises under its own name; the message is kernelpack's
         assert theirs.startswith("InternalTorchDynamoError: NotPrecompiledError: "), theirs
         assert "outside kernelpack's entry" in theirs
-        assert "\nhint: add this shape to the recipe" in theirs  # the hint travels in str(), through Dynamo too
+        # the hint travels in str(), through Dynamo too; a length alone gets the lengths' fixes
+        assert (
+            "\nhint: q_len 128 (covered: 256)" if name == "q_len" else "\nhint: add this shape to the recipe"
+        ) in theirs
         field = "q_len 256 vs 128" if name == "q_len" else f"differs in: {name} "
         assert field in ours and field in theirs, (name, ours, theirs)
     assert out["eager"].startswith("DenseFallbackError")
