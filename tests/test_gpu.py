@@ -331,7 +331,9 @@ def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path:
     cli = [sys.executable, "-m", "kernelpack.cli"]
     subprocess.run([*cli, "record", "-o", str(recipe), "--", *job], env=env, check=True, timeout=600)
     text = recipe.read_text()
-    assert text.count("[[calls]]") == 2 and text.count('graphs = ["fwd", "fwd+bwd"]') == 2, text
+    # two lengths, both multiples of 256: one table of buckets (issue 33), with both graphs
+    assert text.count("[[calls]]") == 1 and "multiple = 256" in text, text
+    assert text.count('graphs = ["fwd", "fwd+bwd"]') == 1, text
     built = build(recipe, tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
     replay = [*job, "--artifact", str(built.artifact), "--cache", str(tmp_path / "cache")]
@@ -446,3 +448,29 @@ def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_arti
     ours, theirs = torch.load(tmp_path / "2"), torch.load(tmp_path / "1")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(a, b) for k in ours for a, b in zip(ours[k], theirs[k], strict=True))
+
+
+def test_the_drafter_job_trains_in_threads_at_every_context_length_with_no_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33 on CUDA: the DFlash-shaped drafter job (tests/data/record_project/drafter_job.py), training with
+    reentrant checkpointing, recorded with no option (the fwd and fwd+bwd graphs of the sliding and the full mask),
+    built, then trained by 3 threads at context lengths it never recorded: nothing compiles, misses, is refused or
+    runs dense, and every graph is served."""
+    from kernelpack.cli import main
+
+    project = Path(__file__).parent / "data" / "record_project"
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")]))
+    size = ["--device", "cuda", "--train", "--size", "256,8,2,64,64,16,256", "--context", "300:1500"]
+    job = [sys.executable, "drafter_job.py", *size]
+    recipe = tmp_path / "drafter.toml"
+    assert main(["record", "-o", str(recipe), "--", *job, "--threads", "2", "--steps", "3"]) == 0
+    text = recipe.read_text()
+    assert text.count("[[calls]]") == 2 and text.count('graphs = ["fwd", "fwd+bwd"]') == 2, text
+    built = build(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed
+    run = [*job, "--artifact", str(built.artifact), "--cache", str(tmp_path / "cache")]
+    out = run_json([*run, "--threads", "3", "--steps", "6", "--seed", "5"])
+    assert (out["errors"], out["missed"], out["refused"], out["compiled"], out["dense"]) == ([], 0, [], 0, 0), out
+    assert out["frames_compiled"] == 0 and out["served"], out
