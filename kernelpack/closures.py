@@ -329,7 +329,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None = None) -> str:
+def _factory_hint(kind: str, fn: Any = None) -> str:
     """The factory the user writes instead, as a template for ``fn``. The factory must return the job's very
     function (same code, same qualname: both enter the mask key), so it calls the code that makes it."""
     qualname = str(getattr(fn, "__qualname__", "") or "")
@@ -338,22 +338,14 @@ def _factory_hint(kind: str, fn: Any = None, tensor: tuple[str, Any, Any] | None
     short = str(outer or getattr(fn, "__name__", None) or kind).replace(".", "_")
     short = short if short.isidentifier() else kind
     option = f"--{'mask' if kind == 'mask' else 'score'}-factory"
-    example = ""
-    if tensor is not None:
-        name, shape, dtype = tensor
-        example = (
-            f"\n        # example values: only the shape and dtype enter the graph; derive the shape from config "
-            f"(config.q_len, config.kv_len, config.batch, ...)\n        {name} = torch.zeros({tuple(shape)}, "
-            f"dtype={dtype}, device=config.device)"
-        )
     if outer is not None and module not in (None, "__main__", "__mp_main__"):
         body = f"    from {module} import {outer.split('.')[0]}  # what makes your {kind}, as your job calls it\n\n"
-        body += f"    def make_{short}(config):{example}\n        return {outer}(...)  # as your job calls it\n"
+        body += f"    def make_{short}(config):\n        return {outer}(...)  # as your job calls it\n"
     else:
         moved = (
             f" (first move {qualname or 'it'} out of the script you run into a module)" if module == "__main__" else ""
         )
-        body = f"    def make_{short}(config):{example}\n        ...  # return your {kind} function itself{moved}\n"
+        body = f"    def make_{short}(config):\n        ...  # return your {kind} function itself{moved}\n"
     return (
         f"write a factory that kernelpack calls with each recipe point (kernelpack.recipe.Config) and that returns "
         f"your very {kind} function (the same code and name: both enter its key), in a module the builder can "
