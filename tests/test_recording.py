@@ -211,13 +211,19 @@ def _event(**over: Any) -> dict:
 
 def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
     """Reentrant checkpointing makes the same call under no_grad (fwd) and again in backward (fwd+bwd): one entry
-    with both graphs, and a call at another length joins it in one dynamic range (widened: half the smallest to
-    twice the largest length). A call on cuda:1 asks for --devices."""
+    with both graphs, and a call at another length joins it: lengths that are multiples of one m >= 64 (a job that
+    pads) become buckets of m, and lengths that are not, one dynamic range (widened: half the smallest to twice the
+    largest length). A call on cuda:1 asks for --devices."""
     events = [_event(graphs=("fwd",)), _event(graphs=("fwd+bwd",)), _event(graphs=("fwd",), q_len=8192)]
     events[1]["call"]["device_index"] = 1
     text = recipe_text(events, name="r")
     recipe = parse_recipe(tomllib.loads(text))
-    assert [(c.q_range, c.graphs, c.dynamic) for c in recipe.configs] == [((2048, 16384), ("fwd", "fwd+bwd"), True)]
+    both = ("fwd", "fwd+bwd")
+    assert sorted((c.q_len, c.graphs, c.dynamic) for c in recipe.configs) == [(4096, both, False), (8192, both, False)]
+    ranged = recipe_text([*events[:2], _event(graphs=("fwd",), q_len=6000)], name="r")
+    assert [(c.q_range, c.graphs, c.dynamic) for c in parse_recipe(tomllib.loads(ranged)).configs] == [
+        ((2048, 12000), both, True)
+    ]
     exact = recipe_text(events[:2], name="r")  # one length: the call as it was made
     assert [(c.q_len, c.q_range, c.graphs) for c in parse_recipe(tomllib.loads(exact)).configs] == [
         (4096, None, ("fwd", "fwd+bwd"))
