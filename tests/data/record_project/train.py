@@ -58,7 +58,8 @@ with torch.no_grad():
             return q_idx >= kv_idx
 
         q = torch.randn(1, 2, 256, 16)
-        kernelpack.flex_attention(q, q.clone(), q.clone(), block_mask=create_block_mask(causal, None, None, 256, 256))
+        mask = create_block_mask(causal, None, None, 256, 256, device="cpu")
+        kernelpack.flex_attention(q, q.clone(), q.clone(), block_mask=mask)
     else:
         q = k = v = torch.randn(1, 2, 256, 16)
         doc_ids = torch.arange(256) // 100
