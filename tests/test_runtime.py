@@ -238,9 +238,11 @@ def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs()
     assert err.hint is not None and "pin_local_gpu" in err.hint and "--devices" in err.hint
     other_shape = runtime.refusal(manifest.covers(_signature(3, q_len=2048, kv_len=2048)), "a.kpack")
     assert "q_len 4096 vs 2048" in str(other_shape)
-    # only the lengths differ: the covered lengths and the three fixes, not "add this shape"
-    assert other_shape.hint is not None and "q_len 2048 (covered: 4096)" in other_shape.hint
-    assert "widen the range" in other_shape.hint and "padded_lengths" in other_shape.hint
+    # the device differs too: not a length fix alone
+    assert other_shape.hint is not None and "add this shape to the recipe" in other_shape.hint
+    lengths_only = runtime.refusal(manifest.covers(_signature(0, q_len=2048, kv_len=2048)), "a.kpack")
+    assert lengths_only.hint is not None and "q_len 2048 (covered: 4096)" in lengths_only.hint
+    assert "widen the range" in lengths_only.hint and "padded_lengths" in lengths_only.hint
 
 
 def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too() -> None:
