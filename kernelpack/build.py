@@ -386,7 +386,8 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
     call = run_config(config, device, lengths=lengths)
     problem = check_errors(config, call.errors)
     # which of the mask's values the dynamic graph keeps symbolic, as its own guards say: they enter its key by type
-    free = _free_values(config, device) if config.dynamic else ()
+    bm = block_mask_for(config, device)  # the canonical BlockMask, once: its guards' free values and its key
+    free = _free_values(config, device, bm) if config.dynamic else ()
     pinned = _pinned_varying(config, free)
     if pinned:
         problem = f"{problem}; {pinned}" if problem else pinned
@@ -404,7 +405,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "errors": call.errors,
         "counters": counters,
         "build_key": probe(config.device, index).to_dict(),
-        "mask_key": mask_key(block_mask_for(config, device).mask_mod, free),
+        "mask_key": mask_key(bm.mask_mod, free),
         "mask_free": list(free),
         "score_key": call.score_key,
         "key_settings": key_settings(config.device),
@@ -435,14 +436,13 @@ def _pinned_varying(config: Config, free: tuple[str, ...]) -> str:
     )
 
 
-def _free_values(config: Config, device: str) -> tuple[str, ...]:
+def _free_values(config: Config, device: str, bm: Any) -> tuple[str, ...]:
     """The mask's closure values that every built graph's guards leave free (:func:`compiled.free_mask_values`),
     asked of the entries the canonical calls made; () when an entry is not found (then every value is a key)."""
     import torch
 
     from .canonical import arguments, make_inputs
 
-    bm = block_mask_for(config, device)
     free: set[str] | None = None
     for graph in config.graphs:
         with torch.set_grad_enabled(graph == "fwd+bwd"):
