@@ -36,8 +36,8 @@ if [[ ${1:-a} == a || ${1:-a} == c ]]; then
   [[ $1 == a ]] && TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch --mega-save $D/mega.bin
 fi
 # c: one kernelpack run (activate's phases), then one flex call's speed per way of compiling (bench/dflash_kernels.py)
-if [[ ${1:-a} == c ]]; then
-  for m in dynamic automatic static; do
+if [[ ${1:-a} == c || -n ${KERNEL_MODES:-} ]]; then
+  for m in ${KERNEL_MODES:-marked automatic dynamic static}; do
     TORCHINDUCTOR_CACHE_DIR=$D/kernels-$m python3 bench/dflash_kernels.py $m 2> "$OUT/kernels-$m.log" | tee -a "$OUT/kernels.jsonl"
   done
 fi

@@ -45,7 +45,7 @@ from .keys import BuildKey, differences
 from .recipe import Config, check_name
 from .signature import GRAPHS, CallSignature, Graph, mask_key
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 # Tier 2's functions (kernelpack.precompiled), in the cache tree beside tier 1's files: packed, hashed and installed
 # with them
 PRECOMPILED_DIR = "kernelpack-precompiled"
@@ -136,6 +136,10 @@ class BuiltConfig:
     # the mask's values (kernelpack.functions paths) its dynamic graph keeps symbolic, as Dynamo's guards say: they
     # enter mask_key by type, so one entry covers a call whatever their values (DFlash's S); () for a static config
     mask_free: tuple[str, ...] = ()
+    # what its dynamic graph was traced with symbolic (kernelpack.canonical.marks: "key.shape[2]",
+    # "block_mask.mask_mod.context"); the runtime traces a first call with the same marks, so that it makes the
+    # graph the builder cached; () for a static config
+    marks: tuple[str, ...] = ()
     score_key: str = ""  # what its score_mod computes (signature.score_mod_key); "": the declared none/identity
     compile_seconds: float = 0.0  # the slowest device's first call in the builder
     compile_seconds_by_device: tuple[tuple[int, float], ...] = ()
@@ -318,6 +322,7 @@ class Manifest:
                     "devices": list(c.devices),
                     "mask_key": c.mask_key,
                     **({"mask_free": list(c.mask_free)} if c.mask_free else {}),
+                    **({"marks": list(c.marks)} if c.marks else {}),
                     **({"score_key": c.score_key} if c.score_key else {}),
                     "compile_seconds": c.compile_seconds,
                     "compile_seconds_by_device": {str(dev): s for dev, s in c.compile_seconds_by_device},
@@ -477,6 +482,9 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
     free = _list(entry.get("mask_free", []))
     if not all(isinstance(p, str) for p in free):
         raise TypeError("mask_free must be a list of strings")
+    marks = _list(entry.get("marks", []))
+    if not all(isinstance(p, str) for p in marks):
+        raise TypeError("marks must be a list of strings")
     score_key = entry.get("score_key", "")
     if not isinstance(score_key, str):
         raise TypeError("score_key must be a string")
@@ -494,6 +502,7 @@ def _built_config(entry: object, legacy_devices: object) -> BuiltConfig:
         devices=devices,
         mask_key=key,
         mask_free=tuple(free),
+        marks=tuple(marks),
         score_key=score_key,
         compile_seconds=_number(entry.get("compile_seconds", 0.0)),
         compile_seconds_by_device=tuple(sorted((_index(int(k)), _number(v)) for k, v in by_device.items())),

@@ -23,7 +23,8 @@ from typing import Any
 
 from . import _fs, _worker, closures, evidence, settings
 from . import artifact as art
-from .compiled import free_mask_values, key_settings, trace_settings
+from .canonical import marks as canonical_marks
+from .compiled import free_mask_values, key_settings, marking, trace_settings
 from .errors import BuildError, KernelpackError
 from .keys import BuildKey, probe
 from .masks import block_mask_for
@@ -43,6 +44,7 @@ class ConfigOutcome:
     build_key: dict[str, str] | None = None
     mask_key: str = ""
     mask_free: tuple[str, ...] = ()  # the mask's values the built graph's guards leave free (entering its key by type)
+    marks: tuple[str, ...] = ()  # what its dynamic graph was traced with symbolic (canonical.marks)
     score_key: str = ""
     key_settings: dict[str, str] = field(default_factory=dict)
     message: str = ""
@@ -272,6 +274,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         build_key=r.get("build_key"),
         mask_key=r.get("mask_key", ""),
         mask_free=tuple(r.get("mask_free", ())),
+        marks=tuple(r.get("marks", ())),
         score_key=r.get("score_key", ""),
         key_settings=r.get("key_settings", {}),
         message="; ".join(messages),
@@ -331,10 +334,10 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
         by_id.setdefault(o.config.id, []).append(o)
     entries = []
     for outs in by_id.values():
-        mask_keys = {(o.mask_key, o.mask_free) for o in outs}
+        mask_keys = {(o.mask_key, o.mask_free, o.marks) for o in outs}
         if len(mask_keys) != 1:  # a factory that returns another mask per process would never hit
             raise BuildError(f"config {outs[0].config.describe()}: its mask differs between workers: {mask_keys}")
-        mask, free = mask_keys.pop()
+        mask, free, marks = mask_keys.pop()
         score_keys = {o.score_key for o in outs}
         if len(score_keys) != 1:
             raise BuildError(f"config {outs[0].config.describe()}: its score_mod differs between workers: {score_keys}")
@@ -344,6 +347,7 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
                 devices=tuple(o.device_index for o in outs),
                 mask_key=mask,
                 mask_free=free,
+                marks=marks,
                 score_key=score_keys.pop(),
                 compile_seconds=round(max(o.seconds for o in outs), 3),
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
@@ -383,7 +387,10 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(index)
     before = evidence.snapshot()
     lengths = range_lengths(config, 2, seed=int(config.id, 16))
-    call = run_config(config, device, lengths=lengths)
+    # a dynamic config's graph: symbolic in what differs between the ends of its ranges, static in the rest
+    marks = canonical_marks(config, device)
+    with marking(marks):
+        call = run_config(config, device, lengths=lengths)
     problem = check_errors(config, call.errors)
     # which of the mask's values the dynamic graph keeps symbolic, as its own guards say: they enter its key by type
     bm = block_mask_for(config, device)  # the canonical BlockMask, once: its guards' free values and its key
@@ -399,7 +406,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         )
         problem = f"{problem}; {range_problem}" if problem else range_problem
     counters = evidence.delta(before, evidence.snapshot())  # tier 1's compile, as before tier 2
-    tier2 = _precompile(config, device, index) if not problem else {"graphs": {}, "missing": "not built"}
+    tier2 = _precompile(config, device, index, marks) if not problem else {"graphs": {}, "missing": "not built"}
     return {
         "seconds": call.seconds,
         "errors": call.errors,
@@ -407,6 +414,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         "build_key": probe(config.device, index).to_dict(),
         "mask_key": mask_key(bm.mask_mod, free),
         "mask_free": list(free),
+        "marks": list(marks),
         "score_key": call.score_key,
         "key_settings": key_settings(config.device),
         "problem": problem,
@@ -454,7 +462,7 @@ def _free_values(config: Config, device: str, bm: Any) -> tuple[str, ...]:
     return tuple(sorted(free or ()))
 
 
-def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
+def _precompile(config: Config, device: str, index: int, marks: tuple[str, ...]) -> dict[str, Any]:
     """Tier 2 (issue 18): each graph's canonical call aot-compiled (after tier 1's compile, whose inductor cache it
     reuses) and saved into this worker's cache dir, so packed and hashed with tier 1's files. Returns
     ``{"graphs": {graph: {"path", "seconds"}}, "missing": why some graph has none}``; a failure here leaves tier 1
@@ -478,7 +486,7 @@ def _precompile(config: Config, device: str, index: int) -> dict[str, Any]:
         try:
             args = arguments(config, make_inputs(config, device, graph, random=False), bm)
             # traced as tier 1 was (dynamic=True of a fixed length too), so that it reuses tier 1's cache entries
-            with trace_settings(config.dynamic):
+            with trace_settings(config.dynamic, args, marks):
                 fn = precompiled.compile_call(args, grad=graph == "fwd+bwd", mode=config.mode, dynamic=config.dynamic)
             blob = precompiled.dumps(fn)
         except Exception as e:  # tier 1 serves the graph; the manifest says why tier 2 does not

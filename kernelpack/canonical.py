@@ -132,3 +132,59 @@ def arguments(
         wanted = config.return_aux.split("+")
         args["return_aux"] = AuxRequest(lse="lse" in wanted, max_scores="max_scores" in wanted)
     return args
+
+
+def marks(config: Config, device: Any) -> tuple[str, ...]:
+    """What a dynamic range config's graph keeps symbolic, in :func:`kernelpack.compiled.resolve_marks`'s words:
+    torch's automatic-dynamic rule (a size or int that differs between two calls becomes symbolic) applied ahead of
+    time, to the canonical calls at both ends of the config's ranges, plus the mask's closure ints that the job
+    itself varied without following a length (``{example = ..., seen = [...]}`` in the recipe). Sizes that do not
+    vary (batch, heads, head_dim, the mask's block size) stay static, as in the graph the job compiles natively
+    after two lengths: its kernels are the faster ones. () for a static config."""
+    from . import closures, functions
+    from .masks import block_mask_for
+
+    if not config.dynamic or config.q_range is None or config.kv_range is None:
+        return ()
+    ends = [config.at(config.q_range[0], config.kv_range[0]), config.at(config.q_range[1], config.kv_range[1])]
+    calls = []
+    for at in ends:
+        inputs = make_inputs(at, "meta", random=False)  # only their shapes are compared
+        calls.append(arguments(at, inputs, block_mask_for(at, device)))
+    out: list[str] = []
+
+    def compare(path: str, a: Any, b: Any) -> None:
+        if _is_tensor(a) and _is_tensor(b) and a.dim() == b.dim():
+            out.extend(f"{path}.shape[{i}]" for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y)
+        elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a != b:
+            out.append(path)
+        elif isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                compare(f"{path}[{i}]", x, y)
+
+    lo, hi = calls
+    for name in ("query", "key", "value"):
+        compare(name, lo[name], hi[name])
+    for attr, value in vars(lo["block_mask"]).items():
+        if attr != "mask_mod":
+            compare(f"block_mask.{attr}", value, getattr(hi["block_mask"], attr, None))
+    for prefix, fa, fb, ref in (
+        ("block_mask.mask_mod", lo["block_mask"].mask_mod, hi["block_mask"].mask_mod, config.reference("mask")),
+        ("score_mod", lo.get("score_mod"), hi.get("score_mod"), config.reference("score")),
+    ):
+        if fa is None or fb is None:
+            continue
+        other = {n.path: n.value for n in functions.tree(fb).walk()}
+        for node in functions.tree(fa).walk():
+            if node.path and node.kind in ("scalar", "tensor"):
+                compare(f"{prefix}.{node.path}", node.value, other.get(node.path))
+        for path, expr in closures.varying(ref).items() if ref is not None else ():
+            if expr == "example":  # the job varied it: symbolic, as automatic dynamic would make it
+                out.append(f"{prefix}.{path}")
+    return tuple(dict.fromkeys(out))
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)

@@ -24,7 +24,9 @@ The lowest runtime mechanism, with no knowledge of artifacts: :mod:`kernelpack.r
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
+import re
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -46,12 +48,15 @@ _compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
 
 
 def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Callable[..., Any]:
-    """``torch.compile(flex_attention, dynamic=..., mode=...)``, one object per option set for the whole process.
+    """``torch.compile(flex_attention, mode=...)``, one object per option set for the whole process.
 
     ``dynamic=False`` (the default) gives one static graph per shape, so the cache keys a process needs do not depend
     on the order in which it meets its shapes (torch's default automatic-dynamic recompiles the second shape it sees
-    as a dynamic graph: a different key). Calling the returned object directly bypasses the guard; use
-    :data:`kernelpack.flex_attention` (default options) or :func:`kernelpack.runtime.guarded` for other options.
+    as a dynamic graph: a different key). ``dynamic=True``: the object a dynamic range config's graph is traced and
+    served through, ``torch.compile(dynamic=None)`` (a backend of its own, so its entries are told from the static
+    ones), whose first call traces under :func:`trace_settings` with the config's marks: only what varies over the
+    range is symbolic. Calling the returned object directly bypasses the guard; use :data:`kernelpack.flex_attention`
+    (default options) or :func:`kernelpack.runtime.guarded` for other options.
     """
     key = (mode, dynamic)
     fn = _compiled.get(key)
@@ -61,9 +66,90 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
             if fn is None:
                 import torch
 
-                fn = torch.compile(_flex.eager_flex(), dynamic=dynamic, mode=None if mode == "default" else mode)
+                fn = torch.compile(
+                    _flex.eager_flex(), dynamic=None if dynamic else False, mode=None if mode == "default" else mode
+                )
                 _compiled[key] = fn
     return fn
+
+
+# --------------------------------------------------------------------------------------------- dynamic marks
+
+_marking: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("kernelpack_marks", default=None)
+
+
+@contextlib.contextmanager
+def marking(marks: tuple[str, ...] | None) -> Iterator[None]:
+    """The marks (:func:`kernelpack.canonical.marks`) a dynamic trace in this thread uses when its caller has no
+    artifact entry to take them from: the builder's calls, made with nothing active."""
+    token = _marking.set(marks)
+    try:
+        yield
+    finally:
+        _marking.reset(token)
+
+
+_TENSOR_DIM = re.compile(r"^(?P<of>.+)\.shape\[(?P<dim>\d+)\]$")
+
+
+def resolve_marks(
+    marks: Collection[str], arguments: Mapping[str, Any]
+) -> tuple[list[tuple[Any, tuple[int, ...]]], list[str]]:
+    """A call's tensors with their marked dimensions and the Dynamo sources of its marked ints, for marks in
+    kernelpack's words: ``key.shape[2]``, ``block_mask.kv_indices.shape[3]``, ``block_mask.seq_lengths[1]``,
+    ``block_mask.mask_mod.context`` (a :mod:`kernelpack.functions` path in the mask), ``score_mod.bias.shape[0]``.
+    A mark the call does not have (a mask without that closure value) is skipped: its guards then decide."""
+    import torch
+
+    dims: dict[int, tuple[Any, set[int]]] = {}
+    sources: list[str] = []
+    trees: dict[str, Any] = {}
+    for mark in marks:
+        m = _TENSOR_DIM.match(mark)
+        of, dim = (m["of"], int(m["dim"])) if m else (mark, None)
+        value, source = _lookup(of, arguments, trees)
+        if value is _MISSING:
+            continue
+        if dim is not None:
+            if isinstance(value, torch.Tensor):
+                dims.setdefault(id(value), (value, set()))[1].add(dim)
+        elif isinstance(value, int) and not isinstance(value, bool) and source:
+            sources.append(source)
+    return [(t, tuple(sorted(d))) for t, d in dims.values()], sources
+
+
+_MISSING = object()
+# the functions a call's marks reach into, by the argument path Dynamo reaches them through
+_FUNCTIONS = {"block_mask.mask_mod": "L['block_mask'].mask_mod", "score_mod": "L['score_mod']"}
+
+
+def _lookup(path: str, arguments: Mapping[str, Any], trees: dict[str, Any]) -> tuple[Any, str]:
+    for prefix, root in _FUNCTIONS.items():
+        if path.startswith(prefix + "."):
+            fn = (
+                arguments.get("score_mod")
+                if prefix == "score_mod"
+                else getattr(arguments.get("block_mask"), "mask_mod", None)
+            )
+            if fn is None:
+                return _MISSING, ""
+            if prefix not in trees:
+                trees[prefix] = {n.path: n for n in functions.tree(fn).walk()}
+            node = trees[prefix].get(path[len(prefix) + 1 :])
+            return (_MISSING, "") if node is None else (node.value, root + node.source)
+    name, _, rest = path.partition(".")
+    value = arguments.get(name, _MISSING)
+    source = f"L[{name!r}]"
+    for part in filter(None, re.split(r"\.|(?=\[)", rest)):
+        if value is _MISSING:
+            break
+        if part.startswith("["):
+            i = int(part[1:-1])
+            value = value[i] if isinstance(value, (tuple, list)) and i < len(value) else _MISSING
+        else:
+            value = getattr(value, part, _MISSING)
+        source += part if part.startswith("[") else f".{part}"
+    return value, source
 
 
 # ------------------------------------------------------------------------------------------------ Dynamo's entries
@@ -87,7 +173,7 @@ def dynamo_entries(mode: str = "default", dynamic: bool = False) -> list[Any]:
     Dynamo keeps one list per code object, so the entries of the user's own ``torch.compile(flex_attention)`` are
     there too. Dynamo's lookup skips an entry whose backend differs from the caller's, so only entries whose backend
     equals ours (an inductor wrapper with the same mode and options, compared by value as Dynamo does) are kept."""
-    backend = _dynamo.inductor_backend(None if mode == "default" else mode, dynamic)
+    backend = _dynamo.inductor_backend(None if mode == "default" else mode, None if dynamic else False)
     return [e for e in _dynamo.cache_entries(_flex.eager_flex().__code__) if _dynamo.entry_backend(e) == backend]
 
 
@@ -135,8 +221,11 @@ def dynamo_hit(
 
 
 @contextlib.contextmanager
-def trace_settings(dynamic: bool) -> Iterator[None]:
-    """What a call that may trace runs under: for a dynamic graph, no duck sizing.
+def trace_settings(
+    dynamic: bool, arguments: Mapping[str, Any] | None = None, marks: Collection[str] | None = None
+) -> Iterator[None]:
+    """What a call that may trace runs under: for a dynamic graph, its marks (:func:`resolve_marks` of ``arguments``;
+    ``marks`` None: those of :func:`marking`) symbolic and everything else static, and no duck sizing.
 
     Duck sizing gives two sizes that are equal at trace time one symbol, and the graph then holds only where they are
     equal. A flex call's sizes include the block count of its BlockMask, which at some lengths equals a head count:
@@ -151,9 +240,12 @@ def trace_settings(dynamic: bool) -> Iterator[None]:
         return
     # a dynamic graph keeps a mask's closure ints symbolic, which inductor's CPU template renames wrongly
     fix_cpu_flex_split_names()
+    if marks is None:
+        marks = _marking.get() or ()
+    tensors, sources = resolve_marks(marks, arguments or {})
     # Floats specialized, as in a static graph: a dynamic float (flex's scale) is traced into a graph AOTAutograd
     # cannot cache, compiled again in every process (CPU, torch 2.13: one AOTAutograd miss per fresh process).
-    with _dynamo.dynamic_trace_settings():
+    with _dynamo.dynamic_trace_settings(), _dynamo.marked_trace(tensors, sources):
         yield
 
 

@@ -567,7 +567,8 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
     config = built.config
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
-    with gate.exclusive(), trace_settings(config.dynamic):
+    # traced as the builder traced it: its marks symbolic, the rest static (the builder's cache entry)
+    with gate.exclusive(), trace_settings(config.dynamic, canonical_arguments(config, inputs, bm), built.marks):
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
             canonical_call(compiled_flex_attention(config.mode, config.dynamic), config, sig.graph, inputs, bm, dout)
             if config.device == "cuda":
@@ -1067,7 +1068,13 @@ def _first_call_at_the_gate(
                     stacklevel=4,
                 )
         wait_for_foreign_fx_trace(limit)
-        with _measured(_Call("kernelpack.flex_attention", sig)) as measured, trace_settings(dynamic):
+        # a dynamic range config's first call traces with its marks (the builder's); in the builder, nothing is
+        # active and compiled.marking gives them
+        marks = coverage.entry.marks if coverage is not None and coverage.entry is not None else None
+        with (
+            _measured(_Call("kernelpack.flex_attention", sig)) as measured,
+            trace_settings(dynamic, arguments, marks),
+        ):
             out = fn(**arguments)
             if sig.device_index is not None:
                 torch.cuda.synchronize(arguments["query"].device)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from conftest import run_json
 
-from kernelpack import closures, functions
+from kernelpack import canonical, closures, functions
 from kernelpack.cli import main
 from kernelpack.errors import KernelpackError
 from kernelpack.recipe import parse_recipe
@@ -189,6 +189,11 @@ def test_record_writes_one_dynamic_config_per_variant_with_the_closure_in_the_ca
         assert c.dynamic and c.q_range == (256, 256)  # q_len did not vary: fixed
         seen = [int(x) for x in text.split("kv_len ")[1].split(":")[0].split("..")]
         assert c.kv_range == (seen[0] // 2, seen[1] * 2)  # widened: half the smallest, twice the largest
+        # the graph's marks: what differs between the ends of the range (the context, the kv length and its block
+        # counts); the query length, the heads, the anchors' count and the block size stay static
+        marks = canonical.marks(c, "cpu")
+        assert {"block_mask.mask_mod.context", "key.shape[2]", "block_mask.kv_indices.shape[3]"} <= set(marks), marks
+        assert not [m for m in marks if m.startswith("query") or "anchors" in m or m.endswith((".block", "blocks"))]
     windows = [json.loads(c.mask_closure or "{}")["closure"]["window"] for c in recipe.configs]
     assert sorted(map(json.dumps, windows)) == ["128", '{"none": true}']
     # static buckets cannot serve it: a call padded to a bucket keeps its own context, not the bucket's
@@ -217,9 +222,14 @@ def test_a_mask_over_symbolic_closure_ints_compiles_on_cpu_and_computes_what_eag
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from kernelpack import compiled as kp_compiled
     from kernelpack.runtime import guarded
 
     compiled = guarded(dynamic=True)
+    # what kernelpack.canonical.marks gives a config of these calls: the kv length, its block counts, the closure's
+    blocks = ["kv_indices.shape[3]", "full_kv_indices.shape[3]", "q_num_blocks.shape[2]", "q_indices.shape[2]"]
+    blocks += ["full_q_num_blocks.shape[2]", "full_q_indices.shape[2]", "seq_lengths[1]"]
+    marks = ("key.shape[2]", "value.shape[2]", *(f"block_mask.{b}" for b in blocks))
 
     def collision(T: Any, a1: Any, a2: Any, a3: Any) -> Any:
         def mask(b, h, q, kv):
@@ -227,13 +237,21 @@ def test_a_mask_over_symbolic_closure_ints_compiles_on_cpu_and_computes_what_eag
 
         return mask
 
-    for make in (lambda s: _mask(s, blocks=8), lambda s: collision(torch.zeros(1, s // 32), *[lambda x: x] * 3)):
-        for s in (256, 384):
+    cases = [
+        (lambda s: _mask(s, blocks=8), ("block_mask.mask_mod.context",)),
+        (lambda s: collision(torch.zeros(1, s // 32), *[lambda x: x] * 3), ("block_mask.mask_mod.T.shape[1]",)),
+    ]
+    for make, closure in cases:
+        before = len(kp_compiled.dynamo_entries("default", True))
+        for s in (256, 384, 320):
             torch.manual_seed(s)
             bm = create_block_mask(make(s), 1, None, 128, s + 128, device="cpu")
             q, k, v = torch.randn(1, 2, 128, 16), torch.randn(1, 2, s + 128, 16), torch.randn(1, 2, s + 128, 16)
-            error = (compiled(q, k, v, block_mask=bm) - flex_attention(q, k, v, block_mask=bm)).abs().max()
+            with kp_compiled.marking((*marks, *closure)):
+                error = (compiled(q, k, v, block_mask=bm) - flex_attention(q, k, v, block_mask=bm)).abs().max()
             assert float(error) < 1e-5, (s, float(error))
+        # one graph for the three lengths: the closure value is symbolic, so the template's rename was exercised
+        assert len(kp_compiled.dynamo_entries("default", True)) == before + 1
 
 
 # ------------------------------------------------------------------------------------------------ the job

@@ -173,7 +173,7 @@ def test_without_warm_up_a_call_in_backward_waits_briefly_then_raises(
     out = scenario("backward_wait", smoke_artifact, tmp_path)
     assert out["alive"] == 0 and out["a"] == "compiled" and out["in_backward"] is True
     assert "inside a backward pass" in out["b"] and "waited 2 s" in out["b"]
-    assert out["seconds"] < 45
+    assert out["b_seconds"] < 30, out
 
 
 def test_steady_state_calls_do_not_serialize(smoke_artifact: Path, tmp_path: Path) -> None:

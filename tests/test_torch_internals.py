@@ -7,11 +7,13 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import json
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_json
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kernelpack"
@@ -214,3 +216,50 @@ def test_a_torch_without_what_kernelpack_needs_is_refused_by_name(monkeypatch: p
     import torch
 
     assert torch.__version__ in str(e.value) and "2.11 through 2.15" in str(e.value)
+
+
+def test_a_marked_trace_keeps_exactly_the_marks_symbolic_and_leaves_no_mark_behind() -> None:
+    """One graph for every kv length and context (the marked dimension and closure int), a new one for another head
+    count (not marked: static, as in torch's automatic-dynamic graph); the tensors carry no mark afterwards, so that
+    eager flex_attention's own compile of the same tensors still passes its guards (torch 2.13 checks the flag).
+    In a fresh process: after this file's FX-tracing threads, torch 2.11's Dynamo segfaults in FakeTensorMode."""
+    out = run_json([sys.executable, __file__, "marked_trace"])
+    assert out["left"] == [], "a mark was left on a tensor"
+    assert out["entries"] == 2, out  # the three contexts at 2 heads: one entry; 4 heads: another
+
+
+def _marked_trace() -> dict[str, object]:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from kernelpack._torch.dynamo import cache_entries, marked_trace
+
+    def mask_for(context: int):  # type: ignore[no-untyped-def]
+        def mask(b, h, q, kv):  # type: ignore[no-untyped-def]
+            return (kv < context) | (q >= kv - context)
+
+        return mask
+
+    compiled = torch.compile(flex_attention, dynamic=None, backend="eager")
+    before = len(cache_entries(flex_attention.__code__))
+    left: list[str] = []
+    # the context, and the BlockMask's kv length (flex checks it against the key's: unmarked, it pins the key's)
+    sources = ["L['block_mask'].mask_mod.__closure__[0].cell_contents", "L['block_mask'].seq_lengths[1]"]
+    for heads, context in ((2, 256), (2, 384), (2, 320), (4, 256)):
+        bm = create_block_mask(mask_for(context), 1, None, 128, context + 128, device="cpu")
+        q, k, v = (
+            torch.randn(1, heads, 128, 16),
+            torch.randn(1, heads, context + 128, 16),
+            torch.randn(1, heads, context + 128, 16),
+        )
+        blocks = [(getattr(bm, a), (3,)) for a in ("kv_indices", "full_kv_indices")]
+        blocks += [(getattr(bm, a), (2,)) for a in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")]
+        with marked_trace([(k, (2,)), (v, (2,)), *blocks], sources):
+            compiled(q, k, v, block_mask=bm)
+        left += [a for t in (k, v) for a in vars(t) if "dynamo" in a]
+        flex_attention(q, k, v, block_mask=bm)  # eager, after the marks are gone
+    return {"left": left, "entries": len(cache_entries(flex_attention.__code__)) - before}
+
+
+if __name__ == "__main__":
+    print(json.dumps({"marked_trace": _marked_trace}[sys.argv[1]]()))

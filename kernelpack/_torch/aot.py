@@ -57,8 +57,9 @@ def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "defau
     args = (arguments["query"], arguments["key"], arguments["value"])
     kwargs = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
     with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(grad):  # type: ignore[attr-defined]
+        # dynamic: what the caller marked symbolic (kernelpack.compiled.trace_settings), the rest static
         compiled = torch.compile(
-            flex_attention, fullgraph=True, dynamic=dynamic, mode=None if mode == "default" else mode
+            flex_attention, fullgraph=True, dynamic=None if dynamic else False, mode=None if mode == "default" else mode
         )
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 

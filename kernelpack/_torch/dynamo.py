@@ -8,9 +8,10 @@ runs each on the torch it is given).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,10 @@ def entry_guards(entry: Any) -> Any:
     return entry.guard_manager
 
 
-_backends: dict[tuple[str | None, bool], Any] = {}
+_backends: dict[tuple[str | None, bool | None], Any] = {}
 
 
-def inductor_backend(mode: str | None, dynamic: bool) -> Any:
+def inductor_backend(mode: str | None, dynamic: bool | None) -> Any:
     """The backend ``torch.compile(..., mode=mode, dynamic=dynamic)`` gives its frames, equal by value to the one in
     their cache entries. torch 2.11-2.15: ``_TorchCompileInductorWrapper(mode, options, dynamic)``."""
     key = (mode, dynamic)
@@ -139,6 +140,52 @@ def dynamic_trace_settings() -> Iterator[None]:
 
     with fx_config.patch(use_duck_shape=False), dynamo_config.patch(specialize_float=True):  # type: ignore[attr-defined]
         yield
+
+
+@contextlib.contextmanager
+def marked_trace(tensors: Sequence[tuple[Any, tuple[int, ...]]], sources: Sequence[str]) -> Iterator[None]:
+    """A trace that keeps exactly these tensor dimensions and these int sources (Dynamo's names, e.g.
+    ``L['block_mask'].mask_mod.__closure__[3].cell_contents``) symbolic and every other size and int static: the
+    graph torch's automatic dynamic would make after meeting the values that vary, made on the first call.
+
+    ``dynamic=True`` makes every size and int symbolic (batch, heads, head_dim, the mask's block size): on the H200 a
+    DFlash-shaped fwd+bwd call ran 17.9 ms against 10.6 ms for the automatic-dynamic graph (docs/BENCHMARKS.md).
+    torch 2.11-2.15: ``torch._dynamo.maybe_mark_dynamic`` (a weak mark: a dimension the trace specializes, a size of
+    0 or 1, stays static instead of raising), ``torch.compiler.config.dynamic_sources`` (regexes matched against a
+    source's name; an int is made symbolic where Dynamo wraps it, VariableBuilder.wrap_literal) and the settings
+    ``dynamic=False`` traces under (no automatic dynamic, static by default), so that the graph does not depend on
+    what the process met before. The marks on tensors are taken off again; on torch < 2.12 the config patch is
+    process-wide while it lasts (only first calls trace, alone at kernelpack's gate)."""
+    import re
+
+    import torch
+    import torch._dynamo.config as dynamo_config
+
+    marked: list[tuple[Any, dict[str, Any]]] = []
+    for t, dims in tensors:
+        marked.append((t, {a: copy.copy(getattr(t, a)) for a in _MARK_ATTRIBUTES if hasattr(t, a)}))
+        torch._dynamo.maybe_mark_dynamic(t, list(dims))
+    patterns = ",".join(re.escape(s) + "$" for s in sources)
+    try:
+        with (
+            torch.compiler.config.patch(dynamic_sources=patterns),
+            dynamo_config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True),  # type: ignore[attr-defined]
+        ):
+            yield
+    finally:
+        for t, had in marked:
+            for a in _MARK_ATTRIBUTES:
+                if a in had:
+                    setattr(t, a, had[a])
+                elif hasattr(t, a):
+                    delattr(t, a)
+
+
+# What maybe_mark_dynamic sets on a tensor. Both are taken off after the trace: torch 2.13's guards check the flag
+# alone, and a tensor left with the flag but no indices fails the guard of the very frame it was traced in
+# ("_has_dynamo_dim_marking is present on runtime tensor but was absent at compile time": eager flex_attention's own
+# compile of its HOP, on the job's tensors).
+_MARK_ATTRIBUTES = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
 
 
 # ------------------------------------------------------------------------------------------------ counters
