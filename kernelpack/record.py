@@ -134,8 +134,10 @@ class Recorder:
         if several:
             self._note(
                 "torch.compile(flex_attention) met several shapes: if it leaves dynamic at its default, torch compiles "
-                "every shape after the first as a dynamic graph, which these static configs do not serve; pass "
-                "torch.compile(flex_attention, dynamic=False), or call kernelpack.flex_attention"
+                "every shape after the first as a dynamic graph, which these static configs do not serve, and record "
+                "sees no call that graph serves; call kernelpack.flex_attention instead (a transformers model, or "
+                "SpecForge: kernelpack.integrations.transformers.register(takeover=True) in the job, also while it "
+                "is recorded), then record again: one dynamic config serves every length"
             )
 
     def _note(self, text: str) -> None:

@@ -310,3 +310,28 @@ def test_the_drafter_job_is_recorded_built_and_served_at_every_context_length(
     (error,) = beyond["errors"]
     assert "differs in: kv_len '" in error and "vs 2156)" in error and "mask" not in error.split("differs in:")[1]
     assert "widen the range (kernelpack record --lengths MIN:MAX" in error
+
+
+@pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed")
+def test_specforges_own_dflash_model_is_recorded_built_and_served_with_takeover(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SpecForge 0.2.0's own code, unchanged (record_project/specforge_job.py: its DFlashDraftModel in its
+    OnlineDFlashModel, its anchors, its create_dflash_block_mask, its attention through transformers'
+    "flex_attention"), with the job's two kernelpack lines (register(takeover=True); activate): recorded with no
+    option into one dynamic config per mask variant, built, and served in 3 threads at context lengths it never
+    recorded with nothing compiled, missed, refused or dense. Forward only (CPU)."""
+    import os
+
+    monkeypatch.chdir(PROJECT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PROJECT), os.environ.get("PYTHONPATH", "")]))
+    recipe = tmp_path / "specforge.toml"
+    assert main(["record", "-o", str(recipe), "--", sys.executable, "specforge_job.py", "--threads", "2"]) == 0
+    text = recipe.read_text()
+    assert text.count("[[calls]]") == 2 and "create_dflash_block_mask" in text and "kv_len = { min" in text, text
+    assert main(["build", str(recipe), "-o", str(tmp_path / "out"), "--jobs", "2"]) == 0
+    (artifact,) = (tmp_path / "out").glob("*.kpack")
+    job = [sys.executable, "specforge_job.py", "--artifact", str(artifact), "--cache", str(tmp_path / "c")]
+    out = run_json([*job, "--threads", "3", "--steps", "3", "--seed", "7"])
+    assert (out["errors"], out["missed"], out["refused"], out["compiled"], out["dense"]) == ([], 0, [], 0, 0), out
+    assert out["frames_compiled"] == 0 and out["served"] == ["precompiled"], out

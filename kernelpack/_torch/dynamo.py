@@ -168,7 +168,7 @@ def marked_trace(tensors: Sequence[tuple[Any, tuple[int, ...]]], sources: Sequen
     patterns = ",".join(re.escape(s) + "$" for s in sources)
     try:
         with (
-            torch.compiler.config.patch(dynamic_sources=patterns),
+            torch.compiler.config.patch(dynamic_sources=patterns),  # type: ignore[attr-defined]
             dynamo_config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True),  # type: ignore[attr-defined]
         ):
             yield
