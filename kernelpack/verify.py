@@ -19,6 +19,7 @@ from typing import Any
 
 from . import _worker, evidence, precompiled
 from . import artifact as art
+from .compiled import marking
 from .errors import VerifyError
 from .installer import install_artifact
 from .workload import (
@@ -127,7 +128,8 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
                 path = str(Path(result.cache_dir, entry.path))
                 tier2.append(run_precompiled(config, device, path, graph, lengths))
         before = evidence.snapshot()
-        call = run_config(config, device, check=check, lengths=lengths, free=built.mask_free)
+        with marking(built.marks):  # nothing is active here: the first call traces with the builder's marks
+            call = run_config(config, device, check=check, lengths=lengths, free=built.mask_free)
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
         tiers: dict[str, dict[str, Any]] = {}
