@@ -29,6 +29,7 @@ import io
 import json
 import os
 import posixpath
+import re
 import tarfile
 import tempfile
 import time
@@ -45,7 +46,7 @@ from .keys import BuildKey, differences
 from .recipe import Config, check_name
 from .signature import GRAPHS, CallSignature, Graph, mask_key
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # Tier 2's functions (kernelpack.precompiled), in the cache tree beside tier 1's files: packed, hashed and installed
 # with them
 PRECOMPILED_DIR = "kernelpack-precompiled"
@@ -122,7 +123,10 @@ class Precompiled:
 
     device: int
     graph: Graph
-    path: str  # relative to the cache dir, listed in the manifest's files
+    # relative to the cache dir, listed in the manifest's files; named by its content (precompiled.file_name), so a
+    # rebuilt artifact's function never lands on an older build's path in a shared cache dir
+    path: str
+    sha256: str  # of the file's bytes: the runtime loads (unpickles) it only when they hash to this
     seconds: float = 0.0  # what aot_compile took in the builder
 
 
@@ -399,6 +403,8 @@ class Manifest:
                 for p in c.precompiled:
                     if p.path not in files:
                         raise ValueError(f"config {c.id}: precompiled {p.path!r} is not among the files")
+                    if files[p.path].sha256 != p.sha256:
+                        raise ValueError(f"config {c.id}: precompiled {p.path!r} has another sha256 in the files")
             where = "failed"
             failed = tuple(
                 FailedConfig(config=_config(f), device=_index(f.get("device", 0)), error=str(f.get("error", "")))
@@ -520,10 +526,14 @@ def _precompiled(entry: object) -> Precompiled:
         raise ValueError(f"precompiled graph must be one of {list(GRAPHS)}, got {graph!r}")
     if not isinstance(path, str) or not path.startswith(PRECOMPILED_DIR + "/") or ".." in path.split("/"):
         raise ValueError(f"precompiled path must be a file under {PRECOMPILED_DIR}/, got {path!r}")
+    sha = entry.get("sha256")
+    if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha) or sha[:32] not in path:
+        raise ValueError(f"precompiled sha256 must be the 64 hex digits its path is named by, got {sha!r} for {path!r}")
     return Precompiled(
         device=_index(entry.get("device")),
         graph=graph,  # type: ignore[arg-type]  # checked against GRAPHS above
         path=path,
+        sha256=sha,
         seconds=_number(entry.get("seconds", 0.0)),
     )
 

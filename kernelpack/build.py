@@ -9,6 +9,7 @@ device (compilation is CPU-bound). The per-config caches are merged into one art
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -353,7 +354,9 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
                 max_rel_error=max((e for o in outs for e in o.errors.values()), default=0.0),
                 precompiled=tuple(
-                    art.Precompiled(device=o.device_index, graph=g, path=p["path"], seconds=p["seconds"])
+                    art.Precompiled(
+                        device=o.device_index, graph=g, path=p["path"], sha256=p["sha256"], seconds=p["seconds"]
+                    )
                     for o in outs
                     for g, p in sorted(o.precompiled.get("graphs", {}).items())
                 ),
@@ -496,10 +499,11 @@ def _precompile(config: Config, device: str, index: int, marks: tuple[str, ...])
         if outside is not None:  # a range its guards do not hold over: tier 1's dynamic graph serves it
             missing.append(f"{graph} on device {index}: its guards do not hold at q_len, kv_len {outside}")
             continue
-        rel = precompiled.file_name(config.id, index, graph)
+        sha = hashlib.sha256(blob).hexdigest()
+        rel = precompiled.file_name(config.id, index, graph, sha)
         (Path(cache) / rel).parent.mkdir(parents=True, exist_ok=True)
         _fs.write_bytes(Path(cache) / rel, blob)
-        graphs[graph] = {"path": rel, "seconds": round(time.perf_counter() - start, 3)}
+        graphs[graph] = {"path": rel, "sha256": sha, "seconds": round(time.perf_counter() - start, 3)}
     return {"graphs": graphs, "missing": "; ".join(missing)}
 
 

@@ -53,10 +53,12 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
     ``dynamic=False`` (the default) gives one static graph per shape, so the cache keys a process needs do not depend
     on the order in which it meets its shapes (torch's default automatic-dynamic recompiles the second shape it sees
     as a dynamic graph: a different key). ``dynamic=True``: the object a dynamic range config's graph is traced and
-    served through, ``torch.compile(dynamic=None)`` (a backend of its own, so its entries are told from the static
-    ones), whose first call traces under :func:`trace_settings` with the config's marks: only what varies over the
-    range is symbolic. Calling the returned object directly bypasses the guard; use :data:`kernelpack.flex_attention`
-    (default options) or :func:`kernelpack.runtime.guarded` for other options.
+    served through, ``torch.compile(dynamic=None)`` (another backend than the static object's, so that its entries
+    are told from the static ones; the same as a job's own ``torch.compile(flex_attention)``, whose calls Dynamo may
+    then serve from a warmed dynamic graph too), whose first call traces under :func:`trace_settings` with the
+    config's marks: only what varies over the range is symbolic. Calling the returned object directly bypasses the
+    guard; use :data:`kernelpack.flex_attention` (default options) or :func:`kernelpack.runtime.guarded` for other
+    options.
     """
     key = (mode, dynamic)
     fn = _compiled.get(key)

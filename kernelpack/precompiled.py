@@ -8,6 +8,7 @@ is :mod:`kernelpack._torch.aot`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -17,6 +18,7 @@ from .artifact import PRECOMPILED_DIR
 
 __all__ = [
     "Loaded",
+    "PrecompiledMismatch",
     "compile_call",
     "dumps",
     "file_name",
@@ -28,16 +30,30 @@ __all__ = [
 ]
 
 
-def file_name(config_id: str, device_index: int, graph: str) -> str:
-    """Where the builder writes a graph's function, relative to the cache dir."""
-    return f"{PRECOMPILED_DIR}/{config_id}-{device_index}-{graph.replace('+', '_')}.bin"
+def file_name(config_id: str, device_index: int, graph: str, sha256: str) -> str:
+    """Where the builder writes a graph's function, relative to the cache dir: named by its content (``sha256`` of
+    its bytes), so that two builds of one config (another mask factory's code, another torch) never share a path in a
+    cache dir, whose installs keep what is already there. The config id, device and graph are for people."""
+    return f"{PRECOMPILED_DIR}/{config_id}-{device_index}-{graph.replace('+', '_')}-{sha256[:32]}.bin"
 
 
-def load(path: str | os.PathLike[str], device: str) -> Loaded:
-    """The function the builder saved at ``path``, for ``device`` ("cuda", "cpu"); raises when torch cannot load it
-    or it is unsafe to share."""
+def load(path: str | os.PathLike[str], device: str, sha256: str) -> Loaded:
+    """The function the builder saved at ``path``, for ``device`` ("cuda", "cpu"), if its bytes hash to the
+    manifest's ``sha256``: loading unpickles it, so a file planted or swapped in the cache dir after the install is
+    refused before any of it runs. Raises when it differs, when torch cannot load it, or when it is unsafe to share."""
     with open(path, "rb") as f:
-        return Loaded(loads(f.read()), device)
+        blob = f.read()
+    got = hashlib.sha256(blob).hexdigest()
+    if got != sha256:
+        raise PrecompiledMismatch(
+            f"{path} has sha256 {got[:16]}..., not the manifest's {sha256[:16]}...: another file is at its path "
+            "(changed in the cache dir after the install); not loaded"
+        )
+    return Loaded(loads(blob), device)
+
+
+class PrecompiledMismatch(RuntimeError):
+    """A precompiled function's file does not hash to what the manifest says it holds."""
 
 
 def reads_globals(fn: Any) -> str | None:

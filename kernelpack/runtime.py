@@ -534,7 +534,7 @@ def _load_precompiled(
         return False
     try:
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
-            loaded = precompiled.load(Path(activation.install.cache_dir, entry.path), config.device)
+            loaded = precompiled.load(Path(activation.install.cache_dir, entry.path), config.device, entry.sha256)
             inputs = make_inputs(config, device, sig.graph, random=False)
             dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
             canonical_call(loaded.checked, config, sig.graph, inputs, bm, dout)

@@ -126,7 +126,7 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
         for graph, entry in entries.items():
             if entry is not None and tier2_off is None:
                 path = str(Path(result.cache_dir, entry.path))
-                tier2.append(run_precompiled(config, device, path, graph, lengths))
+                tier2.append(run_precompiled(config, device, path, entry.sha256, graph, lengths))
         before = evidence.snapshot()
         with marking(built.marks):  # nothing is active here: the first call traces with the builder's marks
             call = run_config(config, device, check=check, lengths=lengths, free=built.mask_free)

@@ -132,7 +132,12 @@ class PrecompiledResult:
 
 
 def run_precompiled(
-    config: Config, device: Any, path: str, graph: Graph, lengths: list[tuple[int, int]] | None = None
+    config: Config,
+    device: Any,
+    path: str,
+    sha256: str,
+    graph: Graph,
+    lengths: list[tuple[int, int]] | None = None,
 ) -> tuple[PrecompiledResult, Any]:
     """Load a graph's precompiled function and make the canonical call (:func:`run_config`'s inputs) through it;
     for a dynamic range config then at each of ``lengths`` too (its guards must hold there). Returns the result and
@@ -146,7 +151,7 @@ def run_precompiled(
     _sync(device)
     start = time.perf_counter()
     try:
-        loaded = precompiled.load(path, config.device)
+        loaded = precompiled.load(path, config.device, sha256)
         out, grads, _ = canonical_call(loaded.checked, config, graph, inputs, bm, dout)
         _sync(device)
         seconds = time.perf_counter() - start

@@ -325,12 +325,13 @@ def test_manifest_round_trips_through_json() -> None:
 def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() -> None:
     """Tier 2's entries (issue 18): listed per config, device and graph; a path outside kernelpack-precompiled/ or
     not among the files is refused, as is an unknown graph."""
-    blob = {"path": "kernelpack-precompiled/x-0-fwd_bwd.bin", "size": 3, "sha256": "0" * 64}
-    entry = {"device": 0, "graph": "fwd+bwd", "path": blob["path"], "seconds": 1.5}
+    sha = "ab" * 32
+    blob = {"path": f"kernelpack-precompiled/x-0-fwd_bwd-{sha[:32]}.bin", "size": 3, "sha256": sha}
+    entry = {"device": 0, "graph": "fwd+bwd", "path": blob["path"], "sha256": sha, "seconds": 1.5}
     config = {"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)", "precompiled": [entry]}
     m = art.Manifest.from_dict({**with_configs(config), "files": [blob]}, source="m")
     assert m.configs[0].precompiled_for(0, "fwd+bwd") == art.Precompiled(
-        device=0, graph="fwd+bwd", path=blob["path"], seconds=1.5
+        device=0, graph="fwd+bwd", path=blob["path"], sha256=sha, seconds=1.5
     )
     assert m.configs[0].precompiled_for(0, "fwd") is None and m.configs[0].precompiled_for(1, "fwd+bwd") is None
     assert art.Manifest.from_dict(json.loads(m.to_json()), source="m") == m
@@ -340,6 +341,10 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
         (entry, [], "not among the files"),
         ({**entry, "graph": "bwd"}, [blob], "graph must be one of"),
         ({**entry, "device": 1}, [blob], "not a built device and graph"),
+        # content-addressed (issue 34): named by its sha256, which the files entry must hold too
+        ({**entry, "sha256": "cd" * 32}, [blob], "the 64 hex digits its path is named by"),
+        ({**entry, "sha256": None}, [blob], "the 64 hex digits"),
+        (entry, [{**blob, "sha256": sha[:32] + "0" * 32}], "another sha256 in the files"),
     ]
     for wrong, files, fragment in bad:
         with pytest.raises(ArtifactError, match=fragment):
@@ -352,8 +357,9 @@ def test_a_manifest_of_format_1_is_refused_and_format_2_needs_every_mask_key() -
     """Format 2 (issue 33: mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
     formats, and a config without its mask_key is malformed (the label is no longer what a mask computes)."""
     old = with_configs({"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"})
-    with pytest.raises(ArtifactError, match=r"unsupported artifact format 1 \(this kernelpack reads 2\)"):
-        art.Manifest.from_dict({**old, "format": 1}, source="old")
+    for fmt in range(1, art.FORMAT_VERSION):  # 3: marks (issue 33); 4: content-addressed tier 2 (issue 34)
+        with pytest.raises(ArtifactError, match=rf"unsupported artifact format {fmt} \(this kernelpack reads 4\)"):
+            art.Manifest.from_dict({**old, "format": fmt}, source="old")
     with pytest.raises(ArtifactError, match="configs: TypeError: mask_key must be a string"):
         art.Manifest.from_dict(with_configs({"params": PARAMS, "devices": [0]}), source="old")
     m = art.Manifest.from_dict(

@@ -3,6 +3,7 @@ loaded again in a fresh process with the tier-1 cache, bitwise equal and with no
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -198,17 +199,21 @@ def test_covered_calls_are_served_by_precompiled_functions_without_dynamo(smoke_
 def test_a_precompiled_function_that_fails_to_load_falls_back_to_the_inductor_cache(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:
-    """One installed function damaged: activate() says so, the inductor cache serves that config (warmed in its
-    place, nothing compiled), the other stays precompiled, and the outputs are unchanged."""
+    """One installed function swapped for other bytes of the same size after the install (what a planted file or a
+    rebuilt artifact's function at the same path would be): activate() refuses to unpickle it, saying its sha256 is
+    not the manifest's; the inductor cache serves that config (warmed in its place, nothing compiled), the other
+    stays precompiled, and the outputs are unchanged."""
     import torch
 
     cache = tmp_path / "cache"
     first = _job(smoke_artifact, cache, tmp_path / "o1.pt")
     (damaged, *_) = sorted((cache / PRECOMPILED_DIR).glob("*.bin"))
-    damaged.write_bytes(damaged.read_bytes()[:100])
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: the install marker's size check passes
+    damaged.write_bytes(bytes(data))
     second = _job(smoke_artifact, cache, tmp_path / "o2.pt")
     (why,) = second["inductor_cache_tier"]
-    assert "failed to load or run" in why["why"], second
+    assert "failed to load or run: PrecompiledMismatch" in why["why"] and "not the manifest's" in why["why"], second
     assert sorted(_tiers(second).values()) == ["inductor-cache", "precompiled"], second
     assert why["call"] in _tiers(second) and _tiers(second)[why["call"]] == "inductor-cache", second
     assert all(not compiled for _, _, compiled in second["first_calls"]), second
@@ -256,7 +261,16 @@ def test_verify_proves_which_tier_serves_each_graph(smoke_artifact: Path, tmp_pa
     tree = tmp_path / "tree"
     manifest = art.unpack(smoke_artifact, tree).to_dict()
     (victim, *_) = sorted((tree / PRECOMPILED_DIR).glob("*.bin"))
-    victim.write_bytes(victim.read_bytes()[:100])
+    # damaged, and named and listed as what it now is: a consistent artifact whose function cannot load
+    blob = victim.read_bytes()[:100]
+    sha = hashlib.sha256(blob).hexdigest()
+    victim.unlink()
+    renamed = victim.with_name(victim.name.rsplit("-", 1)[0] + f"-{sha[:32]}.bin")
+    renamed.write_bytes(blob)
+    for c in manifest["configs"]:
+        for entry in c.get("precompiled", []):
+            if entry["path"].endswith(victim.name):
+                entry.update(path=f"{PRECOMPILED_DIR}/{renamed.name}", sha256=sha)
     files = art.scan_tree(tree)
     manifest["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in art.hash_files(files)]
     damaged = tmp_path / "damaged.kpack"
@@ -264,3 +278,77 @@ def test_verify_proves_which_tier_serves_each_graph(smoke_artifact: Path, tmp_pa
     with pytest.raises(VerifyError, match="1 of 2 config") as e:
         verify_artifact(damaged)
     assert e.value.failed == [victim.name.split("-")[0]] and "precompiled fwd: failed: " in str(e.value), e.value
+
+
+REBUILT_MASK = """
+def factory(config):
+    def rebuilt_mask(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < {window})
+
+    return rebuilt_mask
+"""
+
+REBUILT_RECIPE = """
+name = "rebuilt"
+device = "cpu"
+mask = "rebuilt_mask:factory"
+
+[matrix]
+q_heads = 1
+kv_heads = 1
+seq_len = [128]
+head_dim = 16
+dtypes = ["float32"]
+graphs = ["fwd"]
+"""
+
+REBUILT_JOB = """
+import json, sys, torch
+from kernelpack import runtime
+from kernelpack.recipe import load_recipe
+from kernelpack.masks import block_mask_for
+from kernelpack.canonical import make_inputs
+from kernelpack.workload import reference_attention
+import kernelpack
+activation = runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+config = activation.install.manifest.configs[0].config
+bm = block_mask_for(config, "cpu")  # the job's mask: the factory's code on disk now
+q, k, v = make_inputs(config, "cpu", "fwd")
+out = kernelpack.flex_attention(q, k, v, block_mask=bm)
+ref = reference_attention(config, q, k, v, None)[0].float()  # the mask's math, without flex
+served = sorted({s["tier"] for s in runtime.report().to_dict()["served"]})
+print(json.dumps({"id": config.id, "error": float((out - ref).abs().max()), "served": served}))
+"""
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_a_rebuilt_artifact_in_a_shared_cache_dir_runs_its_own_mask_not_the_previous_builds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: a recipe whose mask factory changed, rebuilt and installed into the cache dir the first build was
+    installed into (torch's default cache dir is one per user). The config id is the same (it names the factory,
+    not its code); its precompiled function is named by its content, so it is installed beside the old one instead
+    of being kept out by it, and the job computes the new mask. Against the old naming the job got the old mask
+    (max error 1.6 against the new reference)."""
+    from kernelpack.build import build_recipe
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(project), str(Path(__file__).parent.parent)]))
+    recipe = tmp_path / "rebuilt.toml"
+    recipe.write_text(REBUILT_RECIPE)
+    artifacts = []
+    for window in (8, 64):
+        (project / "rebuilt_mask.py").write_text(REBUILT_MASK.format(window=window))
+        built = build_recipe(recipe, tmp_path / f"out-{window}", jobs=1)
+        assert built.artifact is not None and not built.failed
+        artifacts.append(built.artifact)
+    cache = tmp_path / "cache"
+    (project / "rebuilt_mask.py").write_text(REBUILT_MASK.format(window=8))
+    old = run_json([sys.executable, "-c", REBUILT_JOB, str(artifacts[0]), str(cache)])
+    (project / "rebuilt_mask.py").write_text(REBUILT_MASK.format(window=64))
+    new = run_json([sys.executable, "-c", REBUILT_JOB, str(artifacts[1]), str(cache)])
+    assert old["id"] == new["id"], (old, new)  # one config id, two mask codes: the case that collided
+    assert old["served"] == new["served"] == ["precompiled"], (old, new)
+    assert old["error"] < 1e-5 and new["error"] < 1e-5, (old, new)
