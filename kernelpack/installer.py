@@ -119,12 +119,14 @@ def install_artifact(
     Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``.
     ``sha256`` (a pinned pull): the artifact must have exactly these bytes. It is copied through one open file,
     hashed as it is copied, into a directory private to this process, and installed from there: no one can swap it
-    between the check and the install.
+    between the check and the install. A pinned install also owns what it installs: a file already at one of the
+    artifact's paths with other content is an error, not kept (torch would load it), and a second install counts as
+    done only while every file still hashes to the manifest's sha256 (not its size: a same-size swap is seen).
     """
     if sha256 is None:
         return _install(str(artifact), cache_dir, allow_mismatch, device_index)
     with _pinned_copy(str(artifact), sha256) as private:
-        result = _install(private, cache_dir, allow_mismatch, device_index)
+        result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True)
     return dataclasses.replace(result, artifact=str(artifact))
 
 
@@ -150,7 +152,12 @@ def _pinned_copy(path: str, sha256: str) -> Iterator[str]:
 
 
 def _install(
-    path: str, cache_dir: str | os.PathLike[str] | None, allow_mismatch: bool, device_index: int
+    path: str,
+    cache_dir: str | os.PathLike[str] | None,
+    allow_mismatch: bool,
+    device_index: int,
+    *,
+    pinned: bool = False,
 ) -> InstallResult:
     start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -177,15 +184,16 @@ def _install(
     lap("hash")
     marker = marker_path(target, sha)
     counts = _Counts()
-    noop = _marker_valid(marker, target, manifest)
+    noop = _marker_valid(marker, target, manifest, pinned)
     if noop:
         _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
     else:
         _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
         with _node_lock(target):
-            noop = _marker_valid(marker, target, manifest)  # another worker may have finished while we waited
+            # another worker may have finished while we waited
+            noop = _marker_valid(marker, target, manifest, pinned)
             if not noop:
-                counts = _extract(path, manifest, target)
+                counts = _extract(path, manifest, target, pinned)
                 _write_marker(
                     marker,
                     {
@@ -240,19 +248,24 @@ def _check_state_dir(target: Path, marker: Path | None = None) -> None:
         raise InstallError(str(target), f"{marker} is in the way (not a regular file)", hint=f"remove {marker}")
 
 
-def _marker_valid(marker: Path, target: Path, manifest: art.Manifest) -> bool:
+def _marker_valid(marker: Path, target: Path, manifest: art.Manifest, pinned: bool = False) -> bool:
     """The marker counts only while every file it vouches for is still there: with its size, or, for an entry that
-    was already in the cache with other content (kept), at all."""
+    was already in the cache with other content (kept), at all. ``pinned``: with its sha256, and nothing kept."""
     try:
         kept = set(json.loads(marker.read_text()).get("kept", []))
     except (OSError, ValueError, AttributeError, TypeError):
         return False
+    if pinned and kept:
+        return False
     for rel, entry in manifest.files.items():
+        dest = destination(target, rel)
         try:
-            size = destination(target, rel).stat().st_size
+            size = dest.stat().st_size
         except OSError:
             return False
         if size != entry.size and rel not in kept:
+            return False
+        if pinned and (dest.is_symlink() or _fs.sha256_file(dest) != entry.sha256):
             return False
     return True
 
@@ -280,11 +293,12 @@ def _node_lock(target: Path) -> Iterator[None]:
         yield
 
 
-def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
+def _extract(path: str, manifest: art.Manifest, target: Path, pinned: bool = False) -> _Counts:
     """Stage every file, verified, then link each into place without clobbering anything.
 
     Any failure removes the staging directories and whatever this call created (files and directories), so the
-    target ends exactly as it was.
+    target ends exactly as it was. ``pinned``: a differing file already at one of the artifact's paths is such a
+    failure (an unpinned install keeps it and says so).
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
@@ -331,7 +345,17 @@ def _extract(path: str, manifest: art.Manifest, target: Path) -> _Counts:
                 counts.present += 1
             else:
                 counts.kept.append(entry.path)  # an entry already in the cache: never replaced, never followed
-                log.warning("kept existing %s (differs from the artifact's copy)", dest)
+                if not pinned:
+                    log.warning("kept existing %s (differs from the artifact's copy)", dest)
+        if pinned and counts.kept:
+            shown = ", ".join(counts.kept[:3]) + (f" and {len(counts.kept) - 3} more" if len(counts.kept) > 3 else "")
+            raise InstallError(
+                str(target),
+                f"{len(counts.kept)} file(s) at the pinned artifact's paths hold other content ({shown}): torch "
+                "would load them instead of the pinned ones, so nothing was installed",
+                hint="install into a cache dir only this job writes (activate(cache_dir=...), kernelpack pull "
+                "--install --cache-dir DIR), or remove those files",
+            )
         return counts
     except BaseException as e:
         for stage in stages.values():

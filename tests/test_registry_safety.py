@@ -538,3 +538,36 @@ def test_a_pinned_install_checks_and_installs_one_private_copy(smoke_artifact: P
     assert not cache.exists()
     result = install_artifact(smoke_artifact, cache, sha256=_fs.sha256_file(smoke_artifact))
     assert result.artifact == str(smoke_artifact) and result.written == result.files
+
+
+def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Issue 34: a file planted at one of a pinned artifact's (predictable) paths before the install fails it,
+    naming the file, with nothing installed (an unpinned install keeps such a file, as it always did); after a good
+    pinned install, a same-size swap of an installed file is seen by the next pinned install (sha256, not size),
+    which fails instead of counting as done."""
+    from kernelpack.installer import destination
+
+    sha = _fs.sha256_file(smoke_artifact)
+    manifest = art.read_manifest(smoke_artifact)
+    rel = sorted(p for p in manifest.files if p.startswith(art.PRECOMPILED_DIR))[0]
+    cache = tmp_path / "planted"
+    planted = destination(cache, rel)
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    with pytest.raises(InstallError, match=r"1 file\(s\) at the pinned artifact's paths hold other content") as e:
+        install_artifact(smoke_artifact, cache, sha256=sha)
+    assert rel in str(e.value) and "cache dir only this job writes" in (e.value.hint or "")
+    assert [p for p in cache.rglob("*") if p.is_file()] == [planted] and planted.read_bytes() == b"planted"
+    unpinned = install_artifact(smoke_artifact, cache)
+    assert unpinned.kept == 1 and planted.read_bytes() == b"planted"
+
+    cache = tmp_path / "swapped"
+    assert install_artifact(smoke_artifact, cache, sha256=sha).written == len(manifest.files)
+    assert install_artifact(smoke_artifact, cache, sha256=sha).noop
+    victim = destination(cache, rel)
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF
+    victim.write_bytes(bytes(data))  # the same size
+    assert install_artifact(smoke_artifact, cache).noop  # unpinned: sizes only, as before
+    with pytest.raises(InstallError, match="hold other content"):
+        install_artifact(smoke_artifact, cache, sha256=sha)
