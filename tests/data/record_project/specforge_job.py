@@ -17,12 +17,12 @@ as SpecForge ships it. It prints one JSON line, with the fields of drafter_job.p
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import threading
 import time
 
 import torch
+from job_report import print_report
 from specforge.algorithms.common.dflash_family_model import OnlineDFlashModel
 from specforge.modeling.auto import AutoDraftModel
 from torch import nn
@@ -119,26 +119,13 @@ for t in threads:
     t.start()
 for t in threads:
     t.join()
-steady = sorted(step_seconds)
-out = {
-    "contexts": contexts,
-    "errors": errors,
-    "first_step_seconds": max(first_step_done, default=None) if len(first_step_done) == args.threads else None,
-    "activate_seconds": activated,
-    "steady_step_seconds": steady[len(steady) // 2] if steady else None,
-    "frames_compiled": torch._dynamo.utils.counters["frames"]["ok"] - frames_before,
-}
-if args.artifact:
-    rep = runtime.report()
-    d = rep.to_dict()
-    out.update(
-        missed=len(rep.misses),
-        refused=[why for _, why in rep.refused],
-        compiled=len(rep.compiled),
-        dense=len(d["dense"]),
-        warmup_seconds=d["warmup_seconds"],
-        install_seconds=getattr(activation.install, "seconds", None),
-        warm_calls=[(c["tier"], round(c["seconds"], 2)) for c in d["first_calls"] if c["warmup"]],
-        served=sorted({s["tier"] for s in d["served"]}),
-    )
-print(json.dumps(out))
+print_report(
+    threads=args.threads,
+    contexts=contexts,
+    errors=errors,
+    first_step_done=first_step_done,
+    step_seconds=step_seconds,
+    activated=activated,
+    frames_before=frames_before,
+    activation=activation,
+)

@@ -1,0 +1,47 @@
+"""The one JSON line drafter_job.py and specforge_job.py print at the end: what the steps saw and, with an artifact,
+what kernelpack's report says (misses, refusals, compiles, dense calls, the warm-up and which tiers served)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+
+def print_report(
+    *,
+    threads: int,
+    contexts: list[list[int]],
+    errors: list[str],
+    first_step_done: list[float],
+    step_seconds: list[float],
+    activated: float,
+    frames_before: int,
+    activation: Any,
+) -> None:
+    steady = sorted(step_seconds)
+    out: dict[str, Any] = {
+        "contexts": contexts,
+        "errors": errors,
+        "first_step_seconds": max(first_step_done, default=None) if len(first_step_done) == threads else None,
+        "activate_seconds": activated,
+        "steady_step_seconds": steady[len(steady) // 2] if steady else None,
+        "frames_compiled": torch._dynamo.utils.counters["frames"]["ok"] - frames_before,
+    }
+    if activation is not None:
+        from kernelpack import runtime
+
+        rep = runtime.report()
+        d = rep.to_dict()
+        out.update(
+            missed=len(rep.misses),
+            refused=[why for _, why in rep.refused],
+            compiled=len(rep.compiled),
+            dense=len(d["dense"]),
+            warmup_seconds=d["warmup_seconds"],
+            install_seconds=getattr(activation.install, "seconds", None),
+            warm_calls=[(c["tier"], round(c["seconds"], 2)) for c in d["first_calls"] if c["warmup"]],
+            served=sorted({s["tier"] for s in d["served"]}),
+        )
+    print(json.dumps(out))
