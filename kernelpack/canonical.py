@@ -154,7 +154,7 @@ def marks(config: Config, device: Any) -> tuple[str, ...]:
     out: list[str] = []
 
     def compare(path: str, a: Any, b: Any) -> None:
-        if _is_tensor(a) and _is_tensor(b) and a.dim() == b.dim():
+        if functions.is_tensor(a) and functions.is_tensor(b) and a.dim() == b.dim():
             out.extend(f"{path}.shape[{i}]" for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y)
         elif isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and a != b:
             out.append(path)
@@ -182,9 +182,3 @@ def marks(config: Config, device: Any) -> tuple[str, ...]:
             if expr == "example":  # the job varied it: symbolic, as automatic dynamic would make it
                 out.append(f"{prefix}.{path}")
     return tuple(dict.fromkeys(out))
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)

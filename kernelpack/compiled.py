@@ -101,8 +101,6 @@ def resolve_marks(
     kernelpack's words: ``key.shape[2]``, ``block_mask.kv_indices.shape[3]``, ``block_mask.seq_lengths[1]``,
     ``block_mask.mask_mod.context`` (a :mod:`kernelpack.functions` path in the mask), ``score_mod.bias.shape[0]``.
     A mark the call does not have (a mask without that closure value) is skipped: its guards then decide."""
-    import torch
-
     dims: dict[int, tuple[Any, set[int]]] = {}
     sources: list[str] = []
     trees: dict[str, Any] = {}
@@ -113,7 +111,7 @@ def resolve_marks(
         if value is _MISSING:
             continue
         if dim is not None:
-            if isinstance(value, torch.Tensor):
+            if functions.is_tensor(value):
                 dims.setdefault(id(value), (value, set()))[1].add(dim)
         elif isinstance(value, int) and not isinstance(value, bool) and source:
             sources.append(source)

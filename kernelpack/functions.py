@@ -77,7 +77,7 @@ def _node(value: Any, path: str, source: str, depth: int) -> Node:
     kind_of = type(value).__module__ + "." + type(value).__qualname__
     if kind_of == "torch.dtype":
         return Node(path, source, "dtype", value)
-    if _is_tensor(value):
+    if is_tensor(value):
         return Node(path, source, "tensor", value)
     if isinstance(value, (types.FunctionType, tuple, list)) and depth >= MAX_DEPTH:
         return Node(path, source, "deep", value)
@@ -123,7 +123,8 @@ class _Empty:
     """An empty closure cell."""
 
 
-def _is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch."""
     import sys
 
     torch = sys.modules.get("torch")  # a tensor exists only once torch is imported
@@ -262,7 +263,7 @@ def recording_key(fn: Callable[..., Any], kind: str) -> tuple[Any, ...] | None:
     for name, value in global_reads(fn):
         if isinstance(value, (int, float, bool, str)):
             parts.append((name, value))
-        elif _is_tensor(value):
+        elif is_tensor(value):
             parts.append((name, tensor_spec(value)))
     return tuple(parts)
 
