@@ -58,13 +58,73 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{owner_tag()}{secrets.token_hex(6)}.tmp")
 
 
+class NotARegularFile(FileExistsError):
+    """``final`` is something a rename must not replace: a device, a directory, a FIFO, a socket, a symlink."""
+
+
+_KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory", stat.S_IFLNK: "a symlink"}  # fmt: skip
+
+
+def check_replaceable(final: Path) -> None:
+    """Raise :class:`NotARegularFile` unless ``final`` is absent or a regular file. A rename replaces whatever
+    the name holds: ``kernelpack lock -o /dev/null`` as root in a CI container would replace the system's
+    /dev/null, and over a symlink it would replace the link, not the file it names (issue 34)."""
+    try:
+        mode = os.lstat(final).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+        raise NotARegularFile(
+            errno.EEXIST,
+            f"is {kind}: kernelpack writes files by renaming over them, so only a regular file or a "
+            "new name can take its output",
+            str(final),
+        )
+
+
+class NotAFileToRead(OSError):
+    """A path kernelpack was told to read is a device, a FIFO, a socket or a directory."""
+
+
+def open_regular(path: str | os.PathLike[str]) -> IO[bytes]:
+    """``open(path, "rb")`` for a regular file only: a FIFO would block the open forever, and a device such as
+    /dev/zero or /dev/urandom would be read without end (a lock file or recipe named by mistake or malice). The
+    open itself does not block (O_NONBLOCK, cleared once the file is known to be regular)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+            raise NotAFileToRead(errno.EINVAL, f"is {kind}, not a file", os.fsdecode(path))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], limit: int) -> bytes:
+    """A regular file's bytes (:func:`open_regular`); ValueError past ``limit`` bytes, read no further."""
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"over {limit} bytes: not a file kernelpack writes")
+    return data
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """The body writes the yielded temp path (by any means: a download, a copy); when it returns, the file becomes
-    ``final``; when it raises, the temp file is removed and ``final`` is untouched."""
+    ``final``; when it raises, the temp file is removed and ``final`` is untouched. ``final`` must be absent or a
+    regular file (:func:`check_replaceable`), before the body runs and again just before the rename."""
+    check_replaceable(final)
     tmp = temp_path(final)
     try:
         yield tmp
+        check_replaceable(final)
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -89,6 +149,56 @@ def atomic_write(final: Path, *, fsync: bool = False) -> Iterator[IO[bytes]]:
 def write_bytes(final: Path, data: bytes) -> None:
     with atomic_write(final) as f:
         f.write(data)
+
+
+def private_dir_problem(directory: Path) -> str | None:
+    """Why another local user could change what ``directory`` holds, or None when only this user (and root) can.
+
+    For directories whose files workers execute (the download cache, inductor's cache dir): one owned by another
+    user, writable by group or others, reached through a symlink someone else owns, or lying in a directory others
+    can write without the sticky bit (whoever can rename a parent can swap the whole tree). torch's default cache dir
+    ``/tmp/torchinductor_<user>`` can be made by any local user before the job starts. A directory that does not
+    exist yet is judged by the parents it will be made in. POSIX only (None elsewhere)."""
+    if not hasattr(os, "getuid"):  # pragma: no cover - Windows
+        return None
+    me = os.getuid()
+    trusted = (me, 0)
+    p = directory.absolute()
+    for part in (p, *p.parents):  # a symlink on the way that another user owns can be re-pointed at any time
+        with contextlib.suppress(OSError):
+            st = os.lstat(part)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+                return f"is reached through the symlink {part}, owned by uid {st.st_uid}"
+    real = p.resolve()
+    existing = real
+    while not existing.exists():
+        existing = existing.parent
+    if existing == real:
+        st = real.stat()
+        if st.st_uid != me:
+            return f"is owned by uid {st.st_uid}, not by this user (uid {me})"
+        if st.st_mode & 0o022:
+            return f"is writable by other users (mode {oct(st.st_mode & 0o777)})"
+    for parent in (existing, *existing.parents) if existing != real else existing.parents:
+        pst = parent.stat()
+        others = pst.st_mode & 0o002 or (pst.st_mode & 0o020 and pst.st_uid != me)
+        if others and not pst.st_mode & stat.S_ISVTX:
+            return f"lies in {parent}, which other users can write (mode {oct(pst.st_mode & 0o777)}, no sticky bit)"
+    return None
+
+
+def writable_dir_problem(directory: Path) -> str | None:
+    """Why this process cannot create files in ``directory`` (or create it), or None. A directory that does not
+    exist yet is judged by its nearest existing parent, which must be a directory."""
+    existing = directory.absolute()
+    while not existing.exists() and not existing.is_symlink():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"lies under {existing}, which is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):  # EROFS for root too
+        what = "is" if existing == directory.absolute() else f"would be made in {existing}, which is"
+        return f"{what} not writable by this process"
+    return None
 
 
 def pid_alive(pid: int) -> bool:

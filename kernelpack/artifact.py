@@ -43,7 +43,7 @@ from ._fs import sha256_file
 from ._version import __version__
 from .errors import ArtifactError, ArtifactNotFoundError, ConfigError, KernelpackError
 from .keys import BuildKey, differences
-from .recipe import Config, check_name
+from .recipe import MAX_CONFIGS, Config, check_name
 from .signature import GRAPHS, CallSignature, Graph, mask_key
 
 FORMAT_VERSION = 4
@@ -59,7 +59,6 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_FILES = 50_000
 MAX_PATH_PARTS = 32
 MAX_PATH_CHARS = 512
-MAX_CONFIGS = 10_000
 MAX_DEVICES = 64  # device indices per config
 MAX_SIGNATURES = 200_000  # configs x devices x graphs: the manifest's coverage index
 # zstd long-distance matching finds the Triton binaries that appear both as files and inside FX-graph entries
@@ -745,7 +744,7 @@ def _open_tar(path: str, limit: int) -> Iterator[tarfile.TarFile]:
     import zstandard
 
     try:
-        raw = open(path, "rb")
+        raw = _fs.open_regular(path)
     except FileNotFoundError:
         raise ArtifactNotFoundError(path) from None
     except IsADirectoryError:
@@ -939,7 +938,7 @@ def _check_frame_end(path: str) -> None:
     refused too: the builder writes one frame and nothing after it."""
     import zstandard
 
-    with open(path, "rb") as f, _wrap_errors(path):
+    with _wrap_errors(path), _fs.open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(18)  # a frame header's maximum size
         params = zstandard.get_frame_parameters(head)

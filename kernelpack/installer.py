@@ -180,6 +180,7 @@ def _install(
             stacklevel=2,
         )
     target = target or resolve_cache_dir(cache_dir)
+    check_cache_dir(target, built.device_type)
     sha = _fs.sha256_file(path)
     lap("hash")
     marker = marker_path(target, sha)
@@ -221,6 +222,48 @@ def _install(
         mismatches=mismatches,
         timings=timings,
     )
+
+
+# what torch's C++ build command cannot carry: inductor joins the kernel's source and output paths (in the cache dir)
+# into one command line unquoted and splits it with shlex (torch/_inductor/cpp_builder.py, 2.11-2.15)
+_CPP_UNSAFE = set(" \t\n\r\f\v'\"\\")
+
+
+def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
+    """Refuse, before anything is written or loaded, a cache dir that torch could not use or that someone else
+    could change: one another user can write (what is installed there is code every worker runs: issue 34), one
+    this process cannot write (torch takes its locks and writes new entries there, so even a complete install fails
+    at the first load: ``InductorError: ... Read-only file system: '<cache>/locks'``), one under a file, and, for a
+    CPU artifact, a path torch's C++ build command cannot carry. TRITON_CACHE_DIR, where set, the same."""
+    dirs = [("cache dir", target)]
+    triton_dir = settings.triton_cache_dir()
+    if triton_dir is not None:
+        dirs.append(("TRITON_CACHE_DIR", triton_dir))
+    for what, d in dirs:
+        problem = _fs.writable_dir_problem(d)
+        if problem:
+            raise InstallError(
+                str(d),
+                f"{problem}: torch writes its locks and new entries in the {what}, so loading from it would fail",
+                hint="point the cache dir at a writable directory (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / "
+                "--cache-dir)",
+            )
+        problem = _fs.private_dir_problem(d)
+        if problem:
+            raise InstallError(
+                str(d),
+                f"{problem}: another user could change the code every worker loads from it",
+                hint="use a directory only you can write (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / --cache-dir), "
+                "or chmod go-w it",
+            )
+        bad = sorted(set(str(d.absolute())) & _CPP_UNSAFE)
+        if device_type == "cpu" and bad:
+            raise InstallError(
+                str(d),
+                f"holds {', '.join(map(repr, bad))}: torch's C++ build command splits paths there, so the CPU "
+                "kernels could not be loaded from it",
+                hint="choose a cache dir path without spaces, quotes or backslashes",
+            )
 
 
 @dataclass

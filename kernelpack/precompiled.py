@@ -12,7 +12,7 @@ import hashlib
 import os
 from typing import Any
 
-from . import functions
+from . import _fs, functions
 from ._torch.aot import Loaded, compile_call, dumps, guards_pass, loads, unavailable
 from .artifact import PRECOMPILED_DIR
 
@@ -41,7 +41,7 @@ def load(path: str | os.PathLike[str], device: str, sha256: str) -> Loaded:
     """The function the builder saved at ``path``, for ``device`` ("cuda", "cpu"), if its bytes hash to the
     manifest's ``sha256``: loading unpickles it, so a file planted or swapped in the cache dir after the install is
     refused before any of it runs. Raises when it differs, when torch cannot load it, or when it is unsafe to share."""
-    with open(path, "rb") as f:
+    with _fs.open_regular(path) as f:
         blob = f.read()
     got = hashlib.sha256(blob).hexdigest()
     if got != sha256:

@@ -70,13 +70,14 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import closures
+from . import _fs, closures
 from .errors import ConfigError, RecipeError
 from .signature import (
     ALIASES,
@@ -371,10 +372,10 @@ def _validate(c: Config) -> None:
         if c.mask in BUILTIN_MASKS:
             raise ConfigError("window", f"required for mask {c.mask!r}", allowed="a positive integer")
     elif not _positive_int(c.window):
-        raise ConfigError("window", "must be a positive integer", value=c.window)
+        raise ConfigError("window", "must be a positive integer", value=c.window, allowed=INT_RANGE)
     for name in _POSITIVE:
         if not _positive_int(getattr(c, name)):
-            raise ConfigError(name, "must be a positive integer", value=getattr(c, name))
+            raise ConfigError(name, "must be a positive integer", value=getattr(c, name), allowed=INT_RANGE)
     if c.q_heads % c.kv_heads:
         raise ConfigError(
             "kv_heads",
@@ -401,7 +402,9 @@ def _validate(c: Config) -> None:
         )
     if not isinstance(c.layout, str) or split_layout(c.layout) is None:
         raise ConfigError("layout", "unknown layout", value=c.layout, allowed=(*LAYOUTS, "'q=bshd k=bhsd v=bhsd'"))
-    if c.scale is not None and (isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or c.scale <= 0):
+    if c.scale is not None and (
+        isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or not 0 < c.scale < math.inf
+    ):  # not 0 < nan either: TOML has nan and inf
         raise ConfigError("scale", "must be a positive number (or left out: 1/sqrt(head_dim))", value=c.scale)
     for name in ("return_lse", "enable_gqa"):
         if not isinstance(getattr(c, name), bool):
@@ -411,7 +414,9 @@ def _validate(c: Config) -> None:
     if c.q_heads != c.kv_heads and not c.enable_gqa:
         raise ConfigError("enable_gqa", f"must be true when q_heads={c.q_heads} != kv_heads={c.kv_heads}", value=False)
     if not (isinstance(c.block_size, tuple) and len(c.block_size) == 2 and all(map(_positive_int, c.block_size))):
-        raise ConfigError("block_size", "must be a positive integer or two of them", value=c.block_size)
+        raise ConfigError(
+            "block_size", "must be a positive integer or two of them", value=c.block_size, allowed=INT_RANGE
+        )
     if c.return_aux not in RETURN_AUX:
         raise ConfigError("return_aux", "unknown value", value=c.return_aux, allowed=RETURN_AUX)
     if c.return_aux != "none" and c.return_lse:
@@ -443,6 +448,8 @@ def _validate(c: Config) -> None:
     for k, v in c.kernel_options:
         if not isinstance(v, (bool, int, float, str)):
             raise ConfigError(f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"kernel_options.{k}", "must be a finite number", value=v)
 
 
 def _check_ranges(c: Config) -> None:
@@ -491,8 +498,18 @@ def _check_reference(c: Config, field_name: str, name: object, closure: object) 
         raise ConfigError("window", "a mask given as a function reference carries its values in its closure")
 
 
+# Every count and size of a config: flex_attention indexes its tensors and block masks with int32, and a bound here
+# turns a value that would fail late (an allocation in a build worker, after the other configs compiled) or never
+# (a loop over a length) into an error naming the key.
+MAX_INT = 2**31 - 1
+INT_RANGE = f"an integer from 1 to {MAX_INT}"
+# Configs one recipe may expand to (the manifest's bound too): counted from the axes before any is made, so that a
+# tiny recipe whose axes multiply to billions is refused at once instead of hanging the parser
+MAX_CONFIGS = 10_000
+
+
 def _positive_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+    return isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_INT
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -520,19 +537,23 @@ def check_name(name: object) -> str | None:
     return None
 
 
+MAX_RECIPE_BYTES = 16 << 20  # a recorded recipe of thousands of calls is well under 1 MiB
+
+
 def load_recipe(path: str | Path) -> Recipe:
     path = str(path)
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(_fs.read_regular(path, MAX_RECIPE_BYTES).decode())
     except FileNotFoundError:
         raise RecipeError(
             path, "<file>", "recipe file not found", hint=f"check the path: no file {os.path.abspath(path)}"
         ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise RecipeError(path, "<toml>", f"not valid TOML: {e}") from None
-    except OSError as e:
-        raise RecipeError(path, "<file>", f"cannot read: {type(e).__name__}: {e}") from None
+    except RecursionError:  # tomllib recurses per nesting level: [[[[...]]]] thousands deep
+        raise RecipeError(path, "<toml>", "nested too deeply", allowed="tables and arrays a few levels deep") from None
+    except (OSError, ValueError) as e:  # ValueError: over MAX_RECIPE_BYTES
+        raise RecipeError(path, "<file>", f"cannot read: {e}") from None
     return parse_recipe(data, path=path)
 
 
@@ -541,6 +562,13 @@ def parse_recipe(data: dict[str, Any], *, path: str = "<recipe>") -> Recipe:
 
     This reads the file's structure (tables, keys, axes); the rules for the values are :class:`Config`'s, and its
     errors are re-raised naming the recipe key."""
+    try:
+        return _parse_recipe(data, path)
+    except RecursionError:  # a closure table nested thousands deep
+        raise RecipeError(path, "<toml>", "nested too deeply", allowed="tables a few levels deep") from None
+
+
+def _parse_recipe(data: dict[str, Any], path: str) -> Recipe:
     _no_unknown(path, "", data, _TOP_KEYS)
     name = _str(path, "name", data.get("name"), required=True)
     problem = check_name(name)
@@ -626,6 +654,17 @@ def _matrix(path: str, data: dict[str, Any], device: str) -> tuple[list[Config],
     layouts = _list(path, "call.layout", call.get("layout", "bhsd"))
     call_params = _call_params(call)
     score_mod, score_closure = _function_or_name(path, "call.score_mod", call_params.pop("score_mod"))
+    axes = (dtypes, lens, windows, batch, q_heads, kv_heads, head_dim, layouts)
+    count = math.prod(map(len, axes))
+    if count > MAX_CONFIGS:
+        sizes = " x ".join(str(len(a)) for a in axes)
+        raise RecipeError(
+            path,
+            "matrix",
+            f"makes {count} configs ({sizes}: dtypes, lengths, windows, batch, q_heads, kv_heads, head_dim, "
+            f"layouts), over the limit of {MAX_CONFIGS}",
+            allowed="fewer values per axis, or [[calls]] for the calls the job makes",
+        )
     try:
         configs = [
             Config(
@@ -747,6 +786,13 @@ def _calls(path: str, items: object, device: str) -> tuple[list[Config], list[in
         params = _call_params(t)
         score_mod, score_closure = _function_or_name(path, f"{where}.score_mod", params.pop("score_mod"))
         lens = _lengths(path, f"{where}.", t, t.get("dynamic", False))
+        if len(configs) + len(lens) > MAX_CONFIGS:
+            raise RecipeError(
+                path,
+                where,
+                f"brings the recipe to {len(configs) + len(lens)} configs, over the limit of {MAX_CONFIGS}",
+                allowed="fewer buckets or calls",
+            )
         q_heads = _required(path, f"{where}.q_heads", t.get("q_heads"))
         graphs = t.get("graphs", ["fwd"])
         options = _table(path, f"{where}.kernel_options", t.get("kernel_options", {}))
@@ -827,6 +873,7 @@ def _lengths(path: str, prefix: str, table: dict[str, Any], dynamic: object) -> 
                 allowed="kv_len = { min = ..., max = ... }",
             )
         offsets = _list(path, f"{prefix}kv_len.offset", kv_value["offset"])
+        _no_more_than(path, f"{prefix}kv_len", len(q_axis) * len(offsets))
         for o in offsets:
             if isinstance(o, bool) or not isinstance(o, int):
                 raise RecipeError(path, f"{prefix}kv_len.offset", "must be an integer or a list of them", value=o)
@@ -854,7 +901,13 @@ def _lengths(path: str, prefix: str, table: dict[str, Any], dynamic: object) -> 
             "two bucket ranges would make every (q_len, kv_len) pair; tie kv_len to q_len instead",
             allowed="kv_len = { offset = N } or { offset = [N, ...] } (kv_len = q_len + offset), or a list",
         )
+    _no_more_than(path, f"{prefix}kv_len", len(q_axis) * len(kv_axis))
     return [(q, kv, None, None) for q, kv in itertools.product(q_axis, kv_axis)]
+
+
+def _no_more_than(path: str, key: str, count: int) -> None:
+    if count > MAX_CONFIGS:
+        raise RecipeError(path, key, f"makes {count} (q_len, kv_len) points, over the limit of {MAX_CONFIGS} configs")
 
 
 def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[int] | tuple[int, int]:
@@ -866,7 +919,7 @@ def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[in
     lo, hi = (_required(path, f"{key}.{k}", value.get(k)) for k in ("min", "max"))
     for k, v in (("min", lo), ("max", hi)):
         if not _positive_int(v):
-            raise RecipeError(path, f"{key}.{k}", "must be a positive integer", value=v)
+            raise RecipeError(path, f"{key}.{k}", "must be a positive integer", value=v, allowed=INT_RANGE)
     assert isinstance(lo, int) and isinstance(hi, int)
     if lo > hi:
         raise RecipeError(path, f"{key}.max", f"is below min ({lo})", value=hi)
@@ -885,7 +938,7 @@ def _length_axis(path: str, key: str, value: object, dynamic: object) -> list[in
             )
         return (lo, hi)
     if not _positive_int(multiple):
-        raise RecipeError(path, f"{key}.multiple", "must be a positive integer", value=multiple)
+        raise RecipeError(path, f"{key}.multiple", "must be a positive integer", value=multiple, allowed=INT_RANGE)
     if dynamic is True:
         raise RecipeError(
             path,
@@ -973,6 +1026,6 @@ def _int_axis(path: str, key: str, value: object) -> list[int]:
     """An axis is one positive integer or a non-empty list of them."""
     items = _list(path, key, value)
     for v in items:
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise RecipeError(path, key, "must be a positive integer or a list of them", value=v)
+        if not _positive_int(v):
+            raise RecipeError(path, key, "must be a positive integer or a list of them", value=v, allowed=INT_RANGE)
     return items

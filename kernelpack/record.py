@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from . import closures, evidence, runtime, settings
-from ._fs import write_bytes
+from ._fs import check_replaceable, write_bytes
 from .errors import ConfigError, KernelpackError, RecipeError, printable
 from .recipe import BUILTIN_MASKS, SCORE_MODS, Config, Recipe, check_name, parse_recipe
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
@@ -280,6 +280,10 @@ def record_command(
             f"-o {target}: {'is a directory' if target.is_dir() else 'its directory does not exist'}",
             hint="pass -o a file path in an existing directory, e.g. -o recipes/my-job.toml",
         )
+    try:
+        check_replaceable(target)
+    except OSError as e:
+        raise RecordError(f"-o {target}: {e.strerror}", hint="pass -o a new file name or a regular file") from None
     problem = check_name(name or _stem_name(target))
     if problem:  # before the job runs
         raise RecordError(f"recipe name {name or _stem_name(target)!r} {problem}", hint="pass --name")

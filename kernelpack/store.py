@@ -28,7 +28,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -101,11 +101,18 @@ class Entry:
         entry = cls(**{k: d[k] for k in cls.__dataclass_fields__})
         key = BuildKey.from_dict(build_key)  # validates the parts that name directories
         expected = f"{entry.recipe}/{key_id(key)}/{entry.name}"
-        if entry.path != expected:
+        if entry.path not in (expected, superseded_path(entry.recipe, key_id(key), entry.sha256, entry.name)):
             raise ValueError(f"path {entry.path!r} is not where this entry's payload belongs ({expected!r})")
         return entry
 
 
+def superseded_path(recipe: str, key: str, sha256: str, name: str) -> str:
+    """Where an artifact replaced by ``push --force`` is kept: locks that pin it still pull it, while ``ls`` and
+    ``lock`` see only the one current artifact of its build key."""
+    return f"{recipe}/{key}/{SUPERSEDED}/{sha256}/{name}"
+
+
+SUPERSEDED = "superseded"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_PAYLOAD = 1 << 40  # bytes of one artifact
 _MAX_CREATED = 1 << 34  # seconds since the epoch (the year 2514)
@@ -180,9 +187,11 @@ class Registry:
 
     # ------------------------------------------------------------------------------------------------ reading
 
-    def entries(self, recipe: str | None = None) -> list[Entry]:
-        """Every valid entry (of ``recipe``), newest first. A malformed or unreadable entry is skipped with one
-        warning naming it: it must not stop every pull of every other recipe."""
+    def entries(self, recipe: str | None = None, *, superseded: bool = False) -> list[Entry]:
+        """Every valid entry (of ``recipe``), newest first: the one current artifact per build key, or
+        (``superseded``) those ``push --force`` replaced, which only a lock that pins one pulls. A malformed or
+        unreadable entry is skipped with one warning naming it: it must not stop every pull of every other
+        recipe."""
         raw: list[tuple[str, Any]] = []
         skipped: list[str] = []
         if self.read_only:
@@ -196,13 +205,14 @@ class Registry:
                 raise RegistryError(
                     self.url, f"{INDEX} is not valid JSON: {e}", hint="push again to rewrite it"
                 ) from None
-            items = data.get("entries", []) if isinstance(data, dict) else []
+            items = data.get(SUPERSEDED if superseded else "entries", []) if isinstance(data, dict) else []
             raw = [(f"{INDEX} entry {i}", d) for i, d in enumerate(items if isinstance(items, list) else [])]
         else:
             with self._errors("listing entries"):
                 if not self.fs.exists(self.root or "/"):
                     raise RegistryError(self.url, "registry does not exist (no such directory or bucket)")
-                paths = sorted(self.fs.glob(self._p(f"*/*/*{art.SUFFIX}{ENTRY_SUFFIX}")))
+                pattern = f"*/*/{SUPERSEDED}/*/*" if superseded else "*/*/*"
+                paths = sorted(self.fs.glob(self._p(f"{pattern}{art.SUFFIX}{ENTRY_SUFFIX}")))
             for p in paths:
                 try:
                     with self._errors(f"reading {p}"):
@@ -215,7 +225,10 @@ class Registry:
         entries = []
         for where, d in raw:
             try:
-                entries.append(Entry.from_dict(d))
+                entry = Entry.from_dict(d)
+                if (f"/{SUPERSEDED}/" in entry.path) != superseded:
+                    raise ValueError(f"path {entry.path!r} is not where this list's entries are")
+                entries.append(entry)
             except (KeyError, TypeError, ValueError) as e:
                 skipped.append(f"{where}: {e}")
         if skipped:
@@ -274,61 +287,111 @@ class Registry:
                 hint="push to the bucket or directory behind it (s3://, gs://, a path) and serve that over http",
             )
         path = str(artifact)
-        manifest = art.read_manifest(path)  # a bad artifact is refused before the registry is touched
+        sha256 = _fs.sha256_file(path) if os.path.isfile(path) else ""
+        # Every member and the frame's end, before the registry is touched: a truncated or corrupt artifact would
+        # be published, pinned by `lock`, and fail every job's install (issue 34)
+        manifest = art.check_members(path).manifest
+        if _fs.sha256_file(path) != sha256:
+            raise KernelpackError(f"{path} changed while it was checked", hint="push it again once it is written")
         created = self._ensure_root()
         name = os.path.basename(path)
         entry = Entry(
             recipe=manifest.recipe_name,
             name=name,
             path=f"{manifest.recipe_name}/{key_id(manifest.build_key)}/{name}",
-            sha256=_fs.sha256_file(path),
+            sha256=sha256,
             size=os.path.getsize(path),
             created=manifest.created or int(time.time()),
             build_key=manifest.build_key.to_dict(),
             configs=len(manifest.configs),
             devices=list(manifest.devices),
         )
-        entry_path = self._p(entry.path + ENTRY_SUFFIX)
-        status = "pushed"
         Entry.from_dict(asdict(entry))  # the names this push writes under are safe path components
+        key_dir = posixpath.dirname(self._p(entry.path))
         with self._errors(f"pushing {entry.path}"):
-            if self.fs.exists(entry_path):
-                try:
-                    old: Entry | None = Entry.from_dict(json.loads(self.fs.cat_file(entry_path)))
-                except (ValueError, KeyError, TypeError, RecursionError):
-                    old = None  # a damaged entry: this push rewrites it
-                if old is not None and old.sha256 == entry.sha256:
-                    if self._payload_intact(entry) and not force:
-                        return PushResult(old, "unchanged", created)
-                    status = "repaired"  # the payload is missing or cut short (or --force: maybe corrupt): upload it
-                elif old is not None and not force:
+            self._check_inside(key_dir)
+            self.fs.makedirs(key_dir, exist_ok=True)
+            with self._key_lock(key_dir):
+                # One artifact per (recipe, build key), whatever its file name: `lock` pins by build key, so two
+                # entries for one key would be pinned one at random, and renaming a file must not bypass --force
+                present = self._entries_in(key_dir)
+                same = sorted((e for e in present if e.sha256 == entry.sha256), key=lambda e: e.name != name)
+                damaged = [e for e in present if not e.sha256 and e.name == name]  # this push rewrites it
+                others = [e for e in present if e.sha256 != entry.sha256 and e not in damaged]
+                if others and not force:
+                    shown = ", ".join(f"{e.name} (sha256 {e.sha256[:16]}…)" for e in others[:3])
                     raise RegistryError(
                         self.url,
-                        f"{entry.path} already holds another artifact for this build (sha256 {old.sha256[:16]}… "
-                        f"!= {entry.sha256[:16]}…)",
-                        hint="pass --force to replace it",
+                        f"{manifest.recipe_name}/{key_id(manifest.build_key)} already holds another artifact for "
+                        f"this build key: {shown}; this one has sha256 {entry.sha256[:16]}…",
+                        hint="pass --force to replace it (the registry keeps one artifact per recipe and build key)",
                     )
-                else:
-                    status = "replaced" if old is not None else "repaired"
-            # Payload first, entry last: an entry is only ever written once its payload is complete.
-            self._check_inside(posixpath.dirname(self._p(entry.path)))
-            self.fs.makedirs(posixpath.dirname(self._p(entry.path)), exist_ok=True)
-            with self._entry_lock(entry):
+                status = "pushed"
+                if same:
+                    entry = replace(entry, name=same[0].name, path=same[0].path)
+                    if self._payload_intact(entry) and not force and not others:
+                        return PushResult(same[0], "unchanged", created)
+                    status = "repaired"  # the payload is missing or cut short (or --force: maybe corrupt)
+                if damaged:
+                    status = "repaired"
+                if others:
+                    status = "replaced"
+                for old in others:  # kept for the locks that pin them, before anything of theirs is replaced
+                    self._supersede(old)
+                # Payload first, entry last: an entry is only ever written once its payload is complete.
+                entry_path = self._p(entry.path + ENTRY_SUFFIX)
                 self._put(path, self._p(entry.path))
                 self._pipe(entry_path, json.dumps(asdict(entry), indent=1, sort_keys=True).encode())
+                for old in (*others, *same[1:]):  # --force: the replaced ones go, entry before payload
+                    if old.path != entry.path:
+                        self._remove(old)
             self._write_index()
         return PushResult(entry, status, created)
 
+    def _entries_in(self, key_dir: str) -> list[Entry]:
+        """The entries of one (recipe, build key) directory; a damaged entry counts as one of another artifact
+        (sha256 "") so that only --force writes over it."""
+        found = []
+        for p in sorted(self.fs.glob(posixpath.join(key_dir, f"*{art.SUFFIX}{ENTRY_SUFFIX}"))):
+            try:
+                blob = self._read(p, _MAX_ENTRY_BYTES)
+                entry = Entry.from_dict(json.loads(blob))
+            except (ValueError, KeyError, TypeError, RecursionError, OSError):
+                name = posixpath.basename(p)[: -len(ENTRY_SUFFIX)]
+                rel = posixpath.relpath(p, self.root)[: -len(ENTRY_SUFFIX)] if self.root else p[: -len(ENTRY_SUFFIX)]
+                entry = Entry(recipe="", name=name, path=rel, sha256="", size=0, created=0, build_key={}, configs=0,
+                              devices=[])  # fmt: skip
+            found.append(entry)
+        return found
+
+    def _supersede(self, old: Entry) -> None:
+        """Copy a replaced artifact (payload, then entry) to its superseded place. A damaged entry has nothing to
+        keep."""
+        if not old.sha256 or not self._payload_intact(old):
+            return
+        kept = replace(old, path=superseded_path(old.recipe, old.key_id, old.sha256, old.name))
+        self.fs.makedirs(posixpath.dirname(self._p(kept.path)), exist_ok=True)
+        if self._local():
+            with _fs.atomic_path(Path(self._p(kept.path))) as tmp:
+                shutil.copyfile(self._p(old.path), tmp)
+        else:
+            self.fs.copy(self._p(old.path), self._p(kept.path))
+        self._pipe(self._p(kept.path + ENTRY_SUFFIX), json.dumps(asdict(kept), indent=1, sort_keys=True).encode())
+
+    def _remove(self, entry: Entry) -> None:
+        for p in (self._p(entry.path + ENTRY_SUFFIX), self._p(entry.path)):
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(p)
+
     @contextlib.contextmanager
-    def _entry_lock(self, entry: Entry) -> Iterator[None]:
-        """On a local directory, the payload and the entry of one build are written by one pusher at a time, so
-        they always agree (an object store has no lock: the sha256 check on download catches a mix)."""
+    def _key_lock(self, key_dir: str) -> Iterator[None]:
+        """On a local directory, the artifacts of one build key are written by one pusher at a time, so its payload
+        and entry always agree and it never holds two (an object store has no lock: the sha256 check on download
+        catches a mix, and the next push with --force leaves one)."""
         if not self._local():
             yield
             return
-        directory = Path(self._p(posixpath.dirname(entry.path)))
-        self._check_inside(str(directory))
-        with _lock.file_lock(directory / f".{entry.name}.lock", what="registry entry"):
+        with _lock.file_lock(Path(key_dir) / ".entries.lock", what="registry entry"):
             yield
 
     def _check_inside(self, directory: str) -> None:
@@ -410,8 +473,11 @@ class Registry:
         with warnings.catch_warnings():  # a malformed entry was warned of by whoever listed it
             warnings.simplefilter("ignore", KernelpackWarning)
             entries = [asdict(e) for e in self.entries()]
+            superseded = [asdict(e) for e in self.entries(superseded=True)]
         return json.dumps(
-            {"format": 1, "updated": int(time.time()), "entries": entries}, indent=1, sort_keys=True
+            {"format": 1, "updated": int(time.time()), "entries": entries, SUPERSEDED: superseded},
+            indent=1,
+            sort_keys=True,
         ).encode()
 
 
@@ -500,26 +566,11 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
 def _check_private(cache: Path) -> None:
     """The download cache holds code every worker will execute: refuse one that another user can write (a shared
     /tmp path, say), where a file could be swapped after it was checked."""
-    if not hasattr(os, "getuid"):  # pragma: no cover - Windows
-        return
-    import stat as stat_module
-
     if cache.is_symlink():
         raise KernelpackError(
             f"the download cache {cache} is a symlink", hint="set KERNELPACK_DOWNLOAD_DIR to the real directory"
         )
-    st = cache.stat()
-    problem = ""
-    if st.st_uid != os.getuid():
-        problem = f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by other users (mode {oct(st.st_mode & 0o777)})"
-    for parent in cache.resolve().parents:  # whoever can rename a parent can swap the whole directory
-        pst = parent.stat()
-        sticky = bool(pst.st_mode & stat_module.S_ISVTX)
-        others = pst.st_mode & 0o002 or (pst.st_mode & 0o020 and pst.st_uid != os.getuid())
-        if others and not sticky and not problem:
-            problem = f"lies in {parent}, which other users can write (mode {oct(pst.st_mode & 0o777)}, no sticky bit)"
+    problem = _fs.private_dir_problem(cache)
     if problem:
         raise KernelpackError(
             f"the download cache {cache} {problem}: another user could replace an artifact after it was verified",
@@ -533,6 +584,16 @@ def _check_private(cache: Path) -> None:
 
 def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> dict[str, Any]:
     """Pin every build of ``recipe`` in the registry: per build key, the artifact path and its sha256."""
+    if not str(out).strip():
+        raise KernelpackError(
+            "lock -o: an empty file name", hint="kernelpack lock REGISTRY --recipe R -o kernelpack.lock"
+        )
+    try:
+        _fs.check_replaceable(Path(out))
+    except OSError as err:
+        raise KernelpackError(
+            f"lock -o {out}: {err.strerror}", hint="pass -o a new file name or a regular file"
+        ) from None
     entries = registry.entries(recipe)
     if not entries:
         raise NoMatchingArtifactError(registry.url, recipe, [])
@@ -547,10 +608,6 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
         "recipe": recipe,
         "artifacts": sorted(pins.values(), key=lambda p: p["key_id"]),
     }
-    if not str(out).strip():
-        raise KernelpackError(
-            "lock -o: an empty file name", hint="kernelpack lock REGISTRY --recipe R -o kernelpack.lock"
-        )
     out = Path(out)
     try:
         _fs.write_bytes(out, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
@@ -559,9 +616,12 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
     return data
 
 
+_MAX_LOCK_BYTES = 16 << 20  # one pin per build key: a few hundred bytes each
+
+
 def read_lock(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(_fs.read_regular(path, _MAX_LOCK_BYTES))
         if not isinstance(data, dict):
             raise ValueError("not a JSON object")
         if data.get("format") != LOCK_FORMAT or not isinstance(data.get("artifacts"), list):
@@ -622,8 +682,13 @@ def pull(
     if lock is not None:
         pins = read_lock(lock)
         pinned = {p["sha256"] for p in pins["artifacts"] if p["key_id"] == entry.key_id}
-        # the pinned build, not the newest: a newer push for this build must not break (or replace) a pinned pull
+        # the pinned build, not the current one: a newer push for this build (push --force keeps the one it
+        # replaced, superseded) must not break or replace a pinned pull
+        current = entry
         entry = next((e for e in entries if e.key_id == entry.key_id and e.sha256 in pinned), entry)
+        if entry.sha256 not in pinned:
+            kept = registry.entries(recipe, superseded=True)
+            entry = next((e for e in kept if e.key_id == current.key_id and e.sha256 in pinned), current)
         check_pin(pins, str(lock), entry)
     path, downloaded = download(registry, entry)
     return PullResult(entry, path, downloaded)

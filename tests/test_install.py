@@ -295,3 +295,55 @@ def test_no_world_writable_files_even_with_umask_zero(smoke_artifact: Path, tmp_
         os.umask(old)
     modes = {p.stat().st_mode & 0o777 for p in (tmp_path / "c").rglob("*") if not p.is_symlink()}
     assert modes and all(mode & 0o022 == 0 for mode in modes), sorted(oct(m) for m in modes)
+
+
+def test_a_cache_dir_others_can_change_is_refused_before_anything_is_written(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # torch's default /tmp/torchinductor_<user> can be made by any local user before the job starts (issue 34)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(InstallError, match=r"writable by other users \(mode 0o777\).*every worker loads"):
+        install(smoke_artifact, shared)
+    assert list(shared.iterdir()) == []
+    # not made yet, in a directory others can write without the sticky bit: whoever can rename it swaps the cache
+    with pytest.raises(InstallError, match=r"lies in .*shared, which other users can write"):
+        install(smoke_artifact, shared / "cache")
+    assert list(shared.iterdir()) == []
+    assert main(["install", str(smoke_artifact), "--cache-dir", str(shared)]) == 1
+    err = capsys.readouterr().err
+    assert "writable by other users" in err and "chmod go-w" in err and "Traceback" not in err
+    if os.getuid() == 0:  # only root can hand a directory to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir()
+        os.chown(theirs, 65534, 65534)
+        with pytest.raises(InstallError, match="is owned by uid 65534, not by this user"):
+            install(smoke_artifact, theirs)
+        assert list(theirs.iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() == 0, reason="root writes into a read-only mode directory")
+def test_a_read_only_cache_dir_is_refused_even_when_the_artifact_is_already_there(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "c"
+    install(smoke_artifact, target)
+    target.chmod(0o555)
+    try:
+        with pytest.raises(InstallError, match="not writable by this process: torch writes its locks"):
+            install(smoke_artifact, target)
+    finally:
+        target.chmod(0o755)
+
+
+def test_a_cache_dir_torch_cannot_use_is_refused_naming_why(smoke_artifact: Path, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(InstallError, match=r"lies under .*afile, which is not a directory"):
+        install(smoke_artifact, afile / "cache")
+    assert art.read_manifest(smoke_artifact).build_key.device_type == "cpu"
+    spaced = tmp_path / "my cache"
+    with pytest.raises(InstallError, match="torch's C\\+\\+ build command splits paths there"):
+        install(smoke_artifact, spaced)
+    assert not spaced.exists()

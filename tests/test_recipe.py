@@ -246,3 +246,111 @@ def test_cli_recipe_typo_says_did_you_mean(tmp_path: Path, capsys: pytest.Captur
     with pytest.raises(RecipeError) as e:
         parse_recipe(base(**{"matrix.zzzzzz": 1}))
     assert e.value.hint is not None and "did you mean" not in e.value.hint
+
+
+def test_a_recipe_is_bounded_before_its_configs_are_made(tmp_path: Path) -> None:
+    import time
+
+    # axes of 20 values each: 20**6 = 64 million configs from a recipe of a few hundred bytes (issue 34: the parser
+    # was still at it after 60 s under 3 GiB)
+    many = list(range(1, 21))
+    start = time.perf_counter()
+    with pytest.raises(RecipeError, match=r"matrix: makes 64000000 configs .* over the limit of 10000"):
+        parse_recipe(
+            base(
+                **{
+                    "windows": many,
+                    "matrix.batch": many,
+                    "matrix.q_heads": many,
+                    "matrix.kv_heads": 1,
+                    "matrix.head_dim": many,
+                    "matrix.seq_len": many,
+                    "matrix.dtypes": ["float32"] * 20,
+                }
+            )
+        )
+    # lengths: a list of q_len times a list of kv_len, buckets tied by offsets, and [[calls]] of buckets
+    with pytest.raises(RecipeError, match=r"matrix.kv_len: makes 4096000 \(q_len, kv_len\) points"):
+        parse_recipe(
+            base(
+                **{
+                    "matrix.seq_len": None,
+                    "matrix.q_len": {"min": 1, "max": 4096, "multiple": 1},
+                    "matrix.kv_len": list(range(1, 1001)),
+                }
+            )
+        )
+    with pytest.raises(RecipeError, match=r"matrix.kv_len: makes 4096000 \(q_len, kv_len\) points"):
+        parse_recipe(
+            base(
+                **{
+                    "matrix.seq_len": None,
+                    "matrix.q_len": {"min": 1, "max": 4096, "multiple": 1},
+                    "matrix.kv_len": {"offset": list(range(1000))},
+                }
+            )
+        )
+    call = {
+        "mask": "mypkg:m",
+        "q_heads": 1,
+        "head_dim": 64,
+        "dtype": "float32",
+        "seq_len": {"min": 1, "max": 4096, "multiple": 1},
+    }
+    with pytest.raises(RecipeError, match=r"calls\[2\]: brings the recipe to 12288 configs"):
+        parse_recipe({"name": "t", "device": "cpu", "calls": [call, call, call]})
+    assert time.perf_counter() - start < 5
+    # the largest allowed expands
+    assert (
+        len(
+            parse_recipe(
+                base(
+                    **{
+                        "windows": [1, 2, 3, 4, 5],
+                        "matrix.seq_len": list(range(1, 1001)),
+                        "matrix.dtypes": ["float32", "bfloat16"],
+                    }
+                )
+            ).configs
+        )
+        == 10_000
+    )
+
+
+@pytest.mark.parametrize(
+    "over, key, fragment",
+    [
+        ({"call": {"scale": float("nan")}}, "call.scale", "positive number"),
+        ({"call": {"scale": float("inf")}}, "call.scale", "positive number"),
+        ({"kernel_options": {"BLOCK_M": float("inf")}}, "kernel_options.BLOCK_M", "finite"),
+        ({"matrix.seq_len": 2**40}, "matrix.seq_len", "from 1 to 2147483647"),
+        ({"matrix.head_dim": 2**31}, "matrix.head_dim", "from 1 to 2147483647"),
+        ({"windows": [2**63]}, "windows", "from 1 to 2147483647"),
+        ({"call": {"block_size": 2**32}}, "call.block_size", "from 1 to 2147483647"),
+    ],
+)
+def test_non_finite_and_unbounded_numbers_are_refused_naming_the_key(over: dict, key: str, fragment: str) -> None:
+    with pytest.raises(RecipeError) as e:
+        parse_recipe(base(**over))
+    assert e.value.key == key and fragment in str(e.value), str(e.value)
+
+
+def test_deep_nesting_is_a_recipe_error_not_a_traceback(tmp_path: Path) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text('name = "t"\ndevice = "cpu"\nx = ' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(RecipeError, match="nested too deeply"):
+        load_recipe(deep)
+    closure: dict = {}
+    inner = closure
+    for _ in range(5000):
+        inner["a"] = {}
+        inner = inner["a"]
+    call = {
+        "mask": {"function": "mypkg:m", "closure": closure},
+        "q_heads": 1,
+        "head_dim": 64,
+        "dtype": "float32",
+        "seq_len": 128,
+    }
+    with pytest.raises(RecipeError, match="nested too deeply"):
+        parse_recipe({"name": "t", "device": "cpu", "calls": [call]})

@@ -525,9 +525,18 @@ def test_a_newer_push_for_the_same_build_does_not_break_a_pinned_pull(
     recipe = art.read_manifest(smoke_artifact).recipe_name
     lock = tmp_path / "k.lock"
     assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
-    newer = repack(smoke_artifact, tmp_path / "n" / "newer.kpack", tmp_path / "w", created=2**31)
-    assert main(["push", str(newer), str(reg)]) == 0
-    assert pull(str(reg), recipe, lock=lock).entry.sha256 == _fs.sha256_file(smoke_artifact)
+    # the same file name, as a rebuild gives: replaced by --force, kept aside for the locks that pin it
+    newer = repack(smoke_artifact, tmp_path / "n" / smoke_artifact.name, tmp_path / "w", created=2**31)
+    assert main(["push", str(newer), str(reg)]) == 1  # refused without --force
+    assert main(["push", str(newer), str(reg), "--force"]) == 0
+    (current,) = Registry(str(reg)).entries(recipe)
+    assert current.sha256 == _fs.sha256_file(newer)
+    pulled = pull(str(reg), recipe, lock=lock)
+    assert pulled.entry.sha256 == _fs.sha256_file(smoke_artifact) == _fs.sha256_file(pulled.path)
+    assert "/superseded/" in pulled.entry.path
+    assert pull(str(reg), recipe).entry.sha256 == current.sha256  # without the lock: the current one
+    index = json.loads((reg / "index.json").read_text())
+    assert [e["sha256"] for e in index["superseded"]] == [pulled.entry.sha256]
 
 
 def test_a_pinned_install_checks_and_installs_one_private_copy(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -571,3 +580,114 @@ def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: 
     assert install_artifact(smoke_artifact, cache).noop  # unpinned: sizes only, as before
     with pytest.raises(InstallError, match="hold other content"):
         install_artifact(smoke_artifact, cache, sha256=sha)
+
+
+def test_outputs_are_renamed_only_over_regular_files(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # as root in a CI container, `kernelpack lock ... -o /dev/null` replaced the system's /dev/null (issue 34): a
+    # FIFO and a symlink stand in for it here
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    real = tmp_path / "real.lock"
+    real.write_text("mine\n")
+    link = tmp_path / "link.lock"
+    link.symlink_to(real)
+    for out, kind in ((fifo, "a FIFO"), (link, "a symlink"), (tmp_path, "a directory")):
+        assert main(["lock", str(reg), "--recipe", recipe, "-o", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert f"is {kind}: kernelpack writes files by renaming over them" in err and "Traceback" not in err, err
+    assert fifo.is_fifo() and link.is_symlink() and real.read_text() == "mine\n"
+    ran = tmp_path / "ran"
+    code = main(["record", "-o", str(link), "--", sys.executable, "-c", f"open({str(ran)!r}, 'w')"])
+    assert code == 1 and not ran.exists()  # refused before the job ran
+    assert "is a symlink" in capsys.readouterr().err and link.is_symlink()
+    ok = tmp_path / "ok.lock"  # a regular file is replaced, atomically
+    ok.write_text("old\n")
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", str(ok)]) == 0
+    assert json.loads(ok.read_text())["recipe"] == recipe
+
+
+def test_user_named_files_that_are_not_files_are_refused_without_blocking(smoke_artifact: Path, tmp_path: Path) -> None:
+    # a FIFO blocked the open forever, a device was read without end (issue 34): each command names what it got
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    commands = {
+        "lock": ["pull", str(reg), "--recipe", recipe, "--lock", str(fifo)],
+        "recipe": ["build", str(fifo), "-o", str(tmp_path / "out")],
+        "artifact": ["inspect", str(fifo)],
+        "device": ["build", "/dev/zero", "-o", str(tmp_path / "out")],
+    }
+    for what, argv in commands.items():
+        r = subprocess.run(
+            [sys.executable, "-m", "kernelpack", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert r.returncode == 1, (what, r.stderr)
+        kind = "a character device" if what == "device" else "a FIFO"
+        assert f"is {kind}, not a file" in r.stderr and "Traceback" not in r.stderr, (what, r.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_push_checks_every_member_before_it_publishes(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a truncated .kpack was published with exit 0 and pinned by `lock`; every job's install then failed (issue 34)
+    data = smoke_artifact.read_bytes()
+    reg = tmp_path / "reg"
+    for cut, what in ((len(data) // 2, "truncated"), (len(data) - 2, "truncated"), (len(data) - 1000, "")):
+        bad = tmp_path / "cut" / smoke_artifact.name
+        bad.parent.mkdir(exist_ok=True)
+        bad.write_bytes(data[:cut])
+        assert main(["push", str(bad), str(reg)]) == 1
+        err = capsys.readouterr().err
+        assert f"{bad}" in err and what in err and "Traceback" not in err, err
+        assert not reg.exists() or not list(reg.rglob("*.kpack*")), sorted(reg.rglob("*"))
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(flipped))
+    assert main(["push", str(bad), str(reg)]) == 1
+    assert "corrupt" in capsys.readouterr().err
+    assert not reg.exists() or not list(reg.rglob("*.kpack*"))
+
+
+def test_one_artifact_per_build_key_whatever_its_file_name(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a different artifact for one build key under a new file name bypassed --force; `ls` listed two entries for
+    # one key and `lock` pinned one of them silently (issue 34)
+    reg = tmp_path / "reg"
+    recipe = art.read_manifest(smoke_artifact).recipe_name
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    renamed = tmp_path / "renamed.kpack"
+    shutil.copyfile(smoke_artifact, renamed)
+    capsys.readouterr()
+    assert main(["push", str(renamed), str(reg)]) == 0  # the same bytes under another name: already there
+    assert "unchanged" in capsys.readouterr().out
+    other = repack(smoke_artifact, tmp_path / "w" / "other-name.kpack", tmp_path / "w", created=1)
+    assert main(["push", str(other), str(reg)]) == 1
+    err = capsys.readouterr().err
+    assert "already holds another artifact for this build key" in err and smoke_artifact.name in err, err
+    assert "--force" in err
+    (only,) = Registry(str(reg)).entries(recipe)
+    assert only.sha256 == _fs.sha256_file(smoke_artifact)
+    assert main(["push", str(other), str(reg), "--force"]) == 0
+    (only,) = Registry(str(reg)).entries(recipe)
+    assert only.sha256 == _fs.sha256_file(other) and only.name == "other-name.kpack"
+    key_dir = reg / Path(only.path).parent
+    assert sorted(p.name for p in key_dir.glob("*.kpack*")) == ["other-name.kpack", "other-name.kpack.json"]
+    (kept,) = Registry(str(reg)).entries(recipe, superseded=True)  # for the locks that pin it
+    assert kept.name == smoke_artifact.name and kept.sha256 == _fs.sha256_file(smoke_artifact)
+    lock = tmp_path / "k.lock"
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
+    assert [p["sha256"] for p in json.loads(lock.read_text())["artifacts"]] == [only.sha256]

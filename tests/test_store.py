@@ -8,6 +8,7 @@ import functools
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,11 @@ def test_lock_pins_and_pull_refuses_anything_else(smoke_artifact: Path, tmp_path
     # the registry's artifact changes under the same build key: the pin refuses it, naming both hashes
     other = repack(smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=2)
     reg.push(other, force=True)
+    # push --force keeps the replaced artifact for the locks that pin it; a registry without it (pruned, or
+    # overwritten by something other than kernelpack) refuses
+    assert pull(str(tmp_path / "reg"), "smoke-cpu", lock=lock_file).entry.sha256 == data["artifacts"][0]["sha256"]
+    for kept in (tmp_path / "reg").rglob("superseded"):
+        shutil.rmtree(kept)
     with pytest.raises(LockMismatchError) as exc:
         pull(str(tmp_path / "reg"), "smoke-cpu", lock=lock_file)
     assert art.sha256_file(other) in str(exc.value) and data["artifacts"][0]["sha256"] in str(exc.value)
