@@ -310,6 +310,24 @@ class Manifest:
 
     # ------------------------------------------------------------------------------------------------ JSON
 
+    def inputs_sha256(self) -> str:
+        """A hash of what the build was asked to make, not of what it made: the recipe, the build key and the
+        settings in inductor's keys, kernelpack's version, and per config its parameters, devices and keys, and
+        which failed. Two builds of one recipe on one torch build share it, though their bytes differ: torch's
+        cache entries hold compile timings and the C++ kernels' .so files differ between links (issue 34), and
+        the manifest holds timings and the build time. ``push`` recognises a rebuild by it."""
+        d = self.to_dict()
+        top = ("format", "kernelpack_version", "recipe", "build_key", "key_settings", "devices", "shard", "merged_from")
+        inputs = {
+            **{k: d.get(k) for k in top},
+            "configs": [
+                {k: c.get(k) for k in ("id", "params", "devices", "mask_key", "mask_free", "marks", "score_key")}
+                for c in d["configs"]
+            ],
+            "failed": sorted((f["id"], f["device"]) for f in d["failed"]),
+        }
+        return hashlib.sha256(json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     def to_dict(self) -> dict[str, Any]:
         devices = list(self.devices)
         d: dict[str, Any] = {

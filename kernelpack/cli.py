@@ -125,8 +125,15 @@ def _progress_options(f: Any) -> Any:
     help="CUDA device indices to build every config on, e.g. 0,1,2 (one process driving several GPUs).",
 )
 @click.option("--shard", default=None, metavar="I/N", help="Build the I-th of N deterministic slices (CI shards).")
-@click.option("--level", default=10, show_default=True, help="zstd level.")
-@click.option("--timeout", default=1800.0, show_default=True, help="Seconds allowed per config.")
+@click.option("--level", default=10, show_default=True, type=click.IntRange(1, 22), help="zstd level.")
+@click.option(
+    "--timeout",
+    default=1800.0,
+    show_default=True,
+    type=click.FloatRange(0, 7 * 24 * 3600, min_open=True),
+    callback=lambda ctx, param, value: _finite(param, value),
+    help="Seconds allowed per config.",
+)
 @_progress_options
 def build_cmd(
     recipe: str,
@@ -231,7 +238,13 @@ def inspect_cmd(artifact: str, as_json: bool, check: bool) -> None:
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.option("--cache-dir", default=None, help="Target (default: TORCHINDUCTOR_CACHE_DIR or torch's default).")
 @click.option("--allow-mismatch", is_flag=True, help="Install even if built for another torch/GPU (warns).")
-@click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
+@click.option(
+    "--device-index",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA device whose name is compared.",
+)
 def install_cmd(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_index: int) -> None:
     """Install ARTIFACT into a TorchInductor cache directory (verified, atomic, idempotent)."""
     _needs_torch("install")
@@ -318,6 +331,13 @@ def merge_cmd(artifacts: tuple[str, ...], out_dir: str) -> None:
     click.echo(f"wrote {path} ({len(m.configs)} configs from {len(artifacts)} artifacts)")
 
 
+def _finite(param: click.Parameter, value: float) -> float:
+    # FloatRange lets nan through (every comparison with it is false), and nan seconds would mean no timeout
+    if value != value:
+        raise click.BadParameter(f"{value} is not a number of seconds", param=param)
+    return value
+
+
 @commands.command(name="push")
 @click.argument("artifact", type=click.Path(dir_okay=False))
 @click.argument("registry")
@@ -331,6 +351,11 @@ def push_cmd(artifact: str, registry: str, force: bool, storage_options: tuple[s
     if created:
         _echo(f"created new registry {registry}")
     click.echo(f"{status}: {registry.rstrip('/')}/{entry.path} (sha256 {entry.sha256[:16]}…, {_size(entry.size)})")
+    if status == "rebuild":
+        click.echo(
+            "  a rebuild of the published artifact (same recipe, build key and configs; torch's files differ in "
+            "compile timings): the published one stays, and the locks that pin it; --force publishes this one"
+        )
 
 
 @commands.command(name="ls")
@@ -365,7 +390,13 @@ def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tu
 @click.option("--install", "do_install", is_flag=True, help="Install into the cache dir after downloading.")
 @click.option("--cache-dir", default=None, help="Install target (default: TORCHINDUCTOR_CACHE_DIR or torch's).")
 @click.option("--lock", "lock_file", default=None, type=click.Path(dir_okay=False), help="Only the pinned artifact.")
-@click.option("--device-index", default=0, show_default=True, help="CUDA device whose name is compared.")
+@click.option(
+    "--device-index",
+    default=0,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="CUDA device whose name is compared.",
+)
 @_storage_option
 def pull_cmd(
     registry: str,

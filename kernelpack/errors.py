@@ -136,7 +136,7 @@ class ArtifactError(KernelpackError, ValueError):
         where = f" (member {member!r})" if member else ""
         super().__init__(
             f"{artifact}: {message}{where}",
-            hint="the artifact is not usable: download or rebuild it; the target cache was left untouched",
+            hint="the artifact is not usable: download or rebuild it",
         )
 
 
@@ -155,8 +155,8 @@ class KeyMismatchError(KernelpackError):
         lines += [f"  {field}: artifact {built!r} != here {here!r}" for field, built, here in differences]
         super().__init__(
             "\n".join(lines),
-            hint="build the artifact with this exact torch build (kernelpack build), "
-            "or pass --allow-mismatch to install it anyway",
+            hint="build the artifact with this exact torch build (kernelpack build), or install it anyway, expecting "
+            "misses: kernelpack install --allow-mismatch, or activate(..., allow_mismatch=True) in Python",
         )
 
 
@@ -264,13 +264,16 @@ class RegistryError(KernelpackError, OSError):
 class NoMatchingArtifactError(KernelpackError, LookupError):
     """No artifact in the registry was built for this environment; says why for every candidate."""
 
-    def __init__(self, registry: str, recipe: str, reasons: list[str]) -> None:
+    def __init__(self, registry: str, recipe: str, reasons: list[str], known: Sequence[str] = ()) -> None:
         self.reasons = reasons
         lines = [f"{registry}: no artifact of recipe {recipe!r} was built for this environment"]
-        lines += [f"  {r}" for r in reasons] or ["  (the registry has no artifact of this recipe)"]
+        shown = ", ".join(map(repr, sorted(known)[:10])) or "none"
+        lines += [f"  {r}" for r in reasons] or [f"  (no artifact of this recipe; the registry's recipes: {shown})"]
+        guess = None if reasons else did_you_mean(recipe, sorted(known))
         super().__init__(
             "\n".join(lines),
-            hint="build and push one with this exact torch build (kernelpack build + kernelpack push)",
+            hint=(f"did you mean {guess!r}? " if guess else "")
+            + "build and push one with this exact torch build (kernelpack build + kernelpack push)",
         )
 
 

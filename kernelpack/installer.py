@@ -28,7 +28,7 @@ from pathlib import Path
 
 from . import _fs, _lock, settings
 from . import artifact as art
-from .errors import InstallError, KernelpackError, KernelpackWarning, KeyMismatchError, LockTimeoutError
+from .errors import ArtifactError, InstallError, KernelpackError, KernelpackWarning, KeyMismatchError, LockTimeoutError
 from .keys import differences, probe
 
 log = logging.getLogger(__name__)
@@ -123,11 +123,15 @@ def install_artifact(
     artifact's paths with other content is an error, not kept (torch would load it), and a second install counts as
     done only while every file still hashes to the manifest's sha256 (not its size: a same-size swap is seen).
     """
-    if sha256 is None:
-        return _install(str(artifact), cache_dir, allow_mismatch, device_index)
-    with _pinned_copy(str(artifact), sha256) as private:
-        result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True)
-    return dataclasses.replace(result, artifact=str(artifact))
+    try:
+        if sha256 is None:
+            return _install(str(artifact), cache_dir, allow_mismatch, device_index)
+        with _pinned_copy(str(artifact), sha256) as private:
+            result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True)
+        return dataclasses.replace(result, artifact=str(artifact))
+    except ArtifactError as e:
+        e.hint = f"{e.hint}; the cache dir was left as it was"
+        raise
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -61,6 +61,9 @@ class Entry:
     build_key: dict[str, str]
     configs: int
     devices: list[int]
+    # the manifest's inputs_sha256: a rebuild of the same recipe on the same torch build has the same (entries
+    # pushed before it existed have "")
+    inputs: str = ""
 
     @property
     def key(self) -> BuildKey:
@@ -77,7 +80,7 @@ class Entry:
         field."""
         if not isinstance(d, Mapping):
             raise ValueError("an entry must be a JSON object")
-        missing = sorted(set(cls.__dataclass_fields__) - d.keys())
+        missing = sorted(set(cls.__dataclass_fields__) - d.keys() - {"inputs"})
         if missing:
             raise ValueError(f"missing {', '.join(missing)}")
         problem = check_name(d["recipe"])
@@ -98,7 +101,10 @@ class Entry:
         build_key = d["build_key"]
         if not isinstance(build_key, dict) or not all(isinstance(v, str) for v in build_key.values()):
             raise ValueError("build_key is not an object of strings")
-        entry = cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        inputs = d.get("inputs", "")
+        if inputs and (not isinstance(inputs, str) or not _SHA256.fullmatch(inputs)):
+            raise ValueError(f"inputs {inputs!r} is not 64 lowercase hex digits")
+        entry = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
         key = BuildKey.from_dict(build_key)  # validates the parts that name directories
         expected = f"{entry.recipe}/{key_id(key)}/{entry.name}"
         if entry.path not in (expected, superseded_path(entry.recipe, key_id(key), entry.sha256, entry.name)):
@@ -122,7 +128,8 @@ _MAX_INDEX_BYTES = 64 << 20
 
 class PushResult(NamedTuple):
     entry: Entry
-    status: str  # "pushed" | "unchanged" | "replaced" | "repaired"
+    status: str  # "pushed" | "unchanged" | "rebuild" (same inputs, other bytes: kept the published) | "replaced" |
+    # "repaired"
     created_registry: bool  # this push made a new registry (there was no index): a mistyped path shows here
 
 
@@ -211,6 +218,10 @@ class Registry:
             with self._errors("listing entries"):
                 if not self.fs.exists(self.root or "/"):
                     raise RegistryError(self.url, "registry does not exist (no such directory or bucket)")
+                if self._local() and not self.fs.isdir(self.root or "/"):
+                    raise RegistryError(
+                        self.url, "is a file, not a registry directory", hint="pass the registry's directory"
+                    )
                 pattern = f"*/*/{SUPERSEDED}/*/*" if superseded else "*/*/*"
                 paths = sorted(self.fs.glob(self._p(f"{pattern}{art.SUFFIX}{ENTRY_SUFFIX}")))
             for p in paths:
@@ -244,6 +255,12 @@ class Registry:
         return sorted(
             (e for e in entries if recipe is None or e.recipe == recipe), key=lambda e: (e.recipe, -e.created, e.path)
         )
+
+    def recipes(self) -> list[str]:
+        """The names of the recipes the registry has artifacts of (for a did-you-mean)."""
+        with warnings.catch_warnings():  # whoever listed the entries already warned of a malformed one
+            warnings.simplefilter("ignore", KernelpackWarning)
+            return sorted({e.recipe for e in self.entries()})
 
     def _read(self, path: str, limit: int) -> bytes:
         """At most ``limit + 1`` bytes of ``path``, streamed (an http body that never ends is not read to its end:
@@ -305,6 +322,7 @@ class Registry:
             build_key=manifest.build_key.to_dict(),
             configs=len(manifest.configs),
             devices=list(manifest.devices),
+            inputs=manifest.inputs_sha256(),
         )
         Entry.from_dict(asdict(entry))  # the names this push writes under are safe path components
         key_dir = posixpath.dirname(self._p(entry.path))
@@ -318,6 +336,10 @@ class Registry:
                 same = sorted((e for e in present if e.sha256 == entry.sha256), key=lambda e: e.name != name)
                 damaged = [e for e in present if not e.sha256 and e.name == name]  # this push rewrites it
                 others = [e for e in present if e.sha256 != entry.sha256 and e not in damaged]
+                if others and not force and not same and all(e.inputs == entry.inputs for e in others):
+                    # a rebuild (CI re-run): its bytes differ, its inputs do not. The published one stays, so
+                    # locks that pin it stay valid and re-running CI's publish step succeeds
+                    return PushResult(others[0], "rebuild", created)
                 if others and not force:
                     shown = ", ".join(f"{e.name} (sha256 {e.sha256[:16]}…)" for e in others[:3])
                     raise RegistryError(
@@ -484,7 +506,9 @@ class Registry:
 # ------------------------------------------------------------------------------------------------ selection
 
 
-def select(entries: list[Entry], here: dict[str, BuildKey], registry: str, recipe: str) -> Entry:
+def select(
+    entries: list[Entry], here: dict[str, BuildKey], registry: str, recipe: str, known: Sequence[str] = ()
+) -> Entry:
     """The newest entry whose build key matches this environment; else an error with every candidate's reason.
 
     ``here`` maps a device type ("cuda", "cpu") to this process's key for it (probing CUDA only when needed).
@@ -500,7 +524,7 @@ def select(entries: list[Entry], here: dict[str, BuildKey], registry: str, recip
         if not diffs:
             return e
         reasons.append(f"{e.path}: " + "; ".join(f"{f} {a!r} != here {b!r}" for f, a, b in diffs))
-    raise NoMatchingArtifactError(registry, recipe, reasons)
+    raise NoMatchingArtifactError(registry, recipe, reasons, known)
 
 
 def _here_keys(entries: list[Entry], device_index: int) -> dict[str, BuildKey]:
@@ -596,7 +620,7 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
         ) from None
     entries = registry.entries(recipe)
     if not entries:
-        raise NoMatchingArtifactError(registry.url, recipe, [])
+        raise NoMatchingArtifactError(registry.url, recipe, [], registry.recipes())
     pins: dict[str, dict[str, Any]] = {}
     for e in entries:  # newest first: the newest build of each key is the pin
         pins.setdefault(
@@ -678,7 +702,8 @@ def pull(
     node, verified). Installing it is :mod:`kernelpack.installer`'s job."""
     registry = Registry(registry_url, storage_options)
     entries = registry.entries(recipe)
-    entry = select(entries, _here_keys(entries, device_index), registry.url, recipe)
+    known = () if entries else registry.recipes()
+    entry = select(entries, _here_keys(entries, device_index), registry.url, recipe, known)
     if lock is not None:
         pins = read_lock(lock)
         pinned = {p["sha256"] for p in pins["artifacts"] if p["key_id"] == entry.key_id}

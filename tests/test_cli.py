@@ -237,3 +237,41 @@ def test_a_worker_is_killed_when_its_parent_stops_polling(tmp_path: Path) -> Non
     assert events == [{"event": "start"}]
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid_file.read_text()), 0)
+
+
+def test_hostile_options_and_paths_are_refused_before_any_work(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: options without ranges failed late (``--level`` at pack time, after compiling everything) or
+    meant something else (a nan ``--timeout``: none); ``ls`` of a file listed nothing, exit 0; hints named options
+    and targets the command does not have. Each is refused at once here, in the error:/hint: form."""
+    out = tmp_path / "out"
+    for argv, fragment in (
+        (["build", str(SMOKE), "-o", str(out), "--level", "99"], "'--level': 99 is not in the range 1<=x<=22"),
+        (["build", str(SMOKE), "-o", str(out), "--level", "0"], "'--level': 0 is not in the range"),
+        (["build", str(SMOKE), "-o", str(out), "--timeout", "nan"], "nan is not a number of seconds"),
+        (["build", str(SMOKE), "-o", str(out), "--timeout", "inf"], "'--timeout': inf is not in the range"),
+        (["build", str(SMOKE), "-o", str(out), "--timeout", "0"], "'--timeout': 0.0 is not in the range"),
+        (["install", str(smoke_artifact), "--device-index", "-1"], "'--device-index': -1 is not in the range"),
+    ):
+        start = time.perf_counter()
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert fragment in err and err.startswith("error: ") and "hint: " in err, (argv, err)
+        assert time.perf_counter() - start < 5 and not out.exists()
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["ls", str(afile)]) == 1
+    assert "is a file, not a registry directory" in capsys.readouterr().err
+    assert main(["inspect", str(afile)]) == 1
+    err = capsys.readouterr().err
+    assert "corrupt or truncated" in err and "cache" not in err  # inspect has no target to leave untouched
+    reg = tmp_path / "reg"
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    recipe = json.loads(kp("inspect", str(smoke_artifact), "--json").stdout)["recipe"]["name"]
+    capsys.readouterr()
+    typo = recipe[:-1] + "x"
+    for command in (["pull", str(reg), "--recipe", typo], ["lock", str(reg), "--recipe", typo, "-o", "k.lock"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert f"did you mean {recipe!r}?" in err and f"the registry's recipes: {recipe!r}" in err, err

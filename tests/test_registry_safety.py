@@ -526,7 +526,7 @@ def test_a_newer_push_for_the_same_build_does_not_break_a_pinned_pull(
     lock = tmp_path / "k.lock"
     assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
     # the same file name, as a rebuild gives: replaced by --force, kept aside for the locks that pin it
-    newer = repack(smoke_artifact, tmp_path / "n" / smoke_artifact.name, tmp_path / "w", created=2**31)
+    newer = repack(smoke_artifact, tmp_path / "n" / smoke_artifact.name, tmp_path / "w", created=2**31, kernelpack_version="0.0.1")
     assert main(["push", str(newer), str(reg)]) == 1  # refused without --force
     assert main(["push", str(newer), str(reg), "--force"]) == 0
     (current,) = Registry(str(reg)).entries(recipe)
@@ -674,7 +674,7 @@ def test_one_artifact_per_build_key_whatever_its_file_name(
     capsys.readouterr()
     assert main(["push", str(renamed), str(reg)]) == 0  # the same bytes under another name: already there
     assert "unchanged" in capsys.readouterr().out
-    other = repack(smoke_artifact, tmp_path / "w" / "other-name.kpack", tmp_path / "w", created=1)
+    other = repack(smoke_artifact, tmp_path / "w" / "other-name.kpack", tmp_path / "w", created=1, kernelpack_version="0.0.1")
     assert main(["push", str(other), str(reg)]) == 1
     err = capsys.readouterr().err
     assert "already holds another artifact for this build key" in err and smoke_artifact.name in err, err
@@ -691,3 +691,34 @@ def test_one_artifact_per_build_key_whatever_its_file_name(
     lock = tmp_path / "k.lock"
     assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
     assert [p["sha256"] for p in json.loads(lock.read_text())["artifacts"]] == [only.sha256]
+
+
+def test_re_running_ci_publishes_a_rebuild_without_force(
+    smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 34: two builds of one recipe on one torch differ in bytes (compile timings in torch's cache entries and
+    the manifest, the C++ kernels' .so files), so re-running CI's publish step was refused without --force. A
+    rebuild (same inputs: recipe, build key, configs, kernelpack) keeps the published artifact and its pins."""
+    from conftest import SMOKE
+
+    rebuilt_dir = tmp_path / "rebuilt"
+    assert main(["build", str(SMOKE), "-o", str(rebuilt_dir), "--jobs", "2", "-q"]) == 0
+    (rebuilt,) = rebuilt_dir.glob("*.kpack")
+    assert _fs.sha256_file(rebuilt) != _fs.sha256_file(smoke_artifact)  # not byte-reproducible: the case here
+    a, b = art.read_manifest(smoke_artifact), art.read_manifest(rebuilt)
+    assert a.inputs_sha256() == b.inputs_sha256()
+    reg = tmp_path / "reg"
+    recipe = a.recipe_name
+    assert main(["push", str(smoke_artifact), str(reg)]) == 0
+    lock = tmp_path / "k.lock"
+    assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
+    capsys.readouterr()
+    assert main(["push", str(rebuilt), str(reg)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("rebuild: ") and "the published one stays" in out and "--force" in out, out
+    (only,) = Registry(str(reg)).entries(recipe)
+    assert only.sha256 == _fs.sha256_file(smoke_artifact)
+    # another input (another kernelpack here; a changed recipe or mask code alike) is not a rebuild
+    other = repack(smoke_artifact, tmp_path / "w" / rebuilt.name, tmp_path / "w", kernelpack_version="0.0.1")
+    assert main(["push", str(other), str(reg)]) == 1
+    assert "already holds another artifact for this build key" in capsys.readouterr().err
