@@ -12,11 +12,14 @@ tracebacks to its log, which the parent keeps in the work dir and quotes (the ta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +73,10 @@ def emit(event: Mapping[str, Any]) -> None:
             f.write(json.dumps(event) + "\n")
 
 
+class Stopped(KernelpackError):
+    """The run was stopped (^C, SIGTERM) before or while this worker ran; its processes were killed."""
+
+
 def run(
     module: str,
     payload: Mapping[str, Any],
@@ -78,15 +85,24 @@ def run(
     env: Mapping[str, str],
     timeout: float,
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> Outcome:
     """Run ``python -m module --worker`` on ``payload`` in ``workdir`` (log and result live there); ``on_event``
-    gets each :func:`emit` of the child as it comes (polled, in this thread)."""
+    gets each :func:`emit` of the child as it comes (polled, in this thread).
+
+    The worker runs in a session of its own, so that killing it kills what it started too (inductor's compile
+    workers, gcc); it is killed at the timeout, when ``stop`` is set (another thread saw ^C or SIGTERM: raises
+    :class:`Stopped`), on any exception here, and by the kernel when this process dies, however it dies
+    (PR_SET_PDEATHSIG, set by :func:`child_main`)."""
+    if stop is not None and stop.is_set():
+        raise Stopped("stopped before the worker started")
     workdir.mkdir(parents=True, exist_ok=True)
     result_file, log_file, events = workdir / "result.json", workdir / "worker.log", workdir / "events.jsonl"
     result_file.unlink(missing_ok=True)  # a result left by an earlier run must not pass for this one's
     events.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(payload), str(result_file)]
     env = {**env, EVENTS_ENV: str(events)} if on_event else dict(env)
+    env[PARENT_ENV] = str(os.getpid())
     start = time.perf_counter()
     seen = 0
 
@@ -100,24 +116,27 @@ def run(
             on_event(json.loads(line))
         seen = max(seen, end)
 
+    poll = on_event is not None or stop is not None
     with open(log_file, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         rc: int | None = None
         try:
             while True:
                 try:
-                    rc = proc.wait(timeout=0.25 if on_event else max(0.0, timeout - (time.perf_counter() - start)))
+                    rc = proc.wait(timeout=0.25 if poll else max(0.0, timeout - (time.perf_counter() - start)))
                     break
                 except subprocess.TimeoutExpired:
                     deliver()
+                    if stop is not None and stop.is_set():
+                        raise Stopped("stopped while the worker ran") from None
                     if time.perf_counter() - start >= timeout:
                         rc = None
                         break
             deliver()
         finally:  # a timeout, or whatever stopped this thread (a callback's error, ^C): never leave the worker running
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _kill_session(proc)
     seconds = time.perf_counter() - start
     try:
         data = json.loads(result_file.read_text())
@@ -133,6 +152,34 @@ def run(
     ok = value is not None and rc == 0
     tail = "" if ok else _tail(log_file)
     return Outcome(value=value, error=error, returncode=rc, seconds=seconds, log_tail=tail, log_path=log_file)
+
+
+def _kill_session(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the worker and every process of its session (what it started and left running, too)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+PARENT_ENV = "KERNELPACK_WORKER_PARENT"
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this worker when the process that started it dies (Linux): a SIGKILLed
+    ``kernelpack build`` must not leave its workers compiling for minutes. The parent may have died before this
+    ran: then exit at once."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if str(os.getppid()) != parent:
+        os._exit(1)
 
 
 def _tail(log_file: Path) -> str:
@@ -167,6 +214,7 @@ def child_main(work: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[
     if len(argv) != 3 or argv[0] != "--worker":
         print("usage: python -m MODULE --worker PAYLOAD_JSON RESULT_FILE (started by kernelpack)", file=sys.stderr)
         return 2
+    _die_with_parent()
     payload, result_file = argv[1], Path(argv[2])
     try:
         result: dict[str, Any] = {"value": work(json.loads(payload))}

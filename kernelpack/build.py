@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -120,17 +121,30 @@ def build_recipe(
         pairs = [(c, d) for c in configs for d in devices]
         progress.start(len(pairs), max(1, jobs))
 
+        stop = threading.Event()
+
         def run(c: Config, d: int) -> ConfigOutcome:
+            if stop.is_set():
+                raise _worker.Stopped("stopped")
             progress.config_started(c, d)
-            return _run_worker(c, work / f"{c.id}-d{d}", d, timeout)
+            return _run_worker(c, work / f"{c.id}-d{d}", d, timeout, stop)
 
         outcomes: list[ConfigOutcome] = []
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+        try:
             futures = [pool.submit(run, c, d) for c, d in pairs]
             for fut in as_completed(futures):
                 outcome = fut.result()
                 outcomes.append(outcome)
                 progress.config_done(outcome)
+        except BaseException:
+            # ^C, SIGTERM (the CLI turns it into an exception here) or an error: stop at once. Queued configs never
+            # start, running workers are killed with their sessions (within the 0.25 s poll), and the work dir goes
+            # below, instead of every remaining config compiling first
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
         outcomes.sort(key=lambda o: (o.config.id, o.device_index))
         failed = _keep_logs([o for o in outcomes if not o.ok])
         built = [o for o in outcomes if o.ok]
@@ -253,7 +267,9 @@ def _failure_report(recipe: Recipe, failed: list[ConfigOutcome]) -> str:
     return "\n".join(lines)
 
 
-def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -> ConfigOutcome:
+def _run_worker(
+    config: Config, work: Path, device_index: int, timeout: float, stop: threading.Event | None = None
+) -> ConfigOutcome:
     cache_dir = work / "cache"
     outcome = _worker.run(
         "kernelpack.build",
@@ -261,6 +277,7 @@ def _run_worker(config: Config, work: Path, device_index: int, timeout: float) -
         workdir=work,
         env=_worker.fresh_cache_env(cache_dir),
         timeout=timeout,
+        stop=stop,
     )
     r = outcome.value or {}
     problem = r.get("problem")  # the reference check failed

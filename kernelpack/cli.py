@@ -6,12 +6,15 @@ with ``-v`` or ``KERNELPACK_DEBUG=1``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -529,6 +532,34 @@ def _usage_hint(e: click.UsageError) -> str:
     return f"see {command} --help"
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived. Raised in the main thread, as ^C raises KeyboardInterrupt, so that every
+    ``finally`` on the way out runs: build's workers are killed with their sessions, record's command is stopped,
+    temp and work directories are removed. (Python's default for SIGTERM ends the process at once, skipping
+    them.)"""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_as_exceptions() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (testable with click's CliRunner or directly)."""
     args = _hoist_verbose(list(argv) if argv is not None else sys.argv[1:])
@@ -538,7 +569,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # numpy array (numpy is not a dependency), so for a CLI user it is only noise. Set before any command imports torch.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
-        commands.main(args=args, prog_name="kernelpack", standalone_mode=False)
+        with _signals_as_exceptions():
+            commands.main(args=args, prog_name="kernelpack", standalone_mode=False)
+    except Terminated as e:  # SIGTERM, SIGHUP: everything kernelpack started was stopped on the way out
+        click.echo(f"terminated ({signal.Signals(e.signum).name})", err=True)
+        return 128 + e.signum
     except click.UsageError as e:  # documented as error:/hint: and exit 1, like every other error
         if type(e).__name__ == "NoArgsIsHelpError":  # click >= 8.2 raises it for a bare `kernelpack`: just help
             click.echo(e.ctx.get_help() if e.ctx is not None else "")
@@ -552,6 +587,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         click.echo(f"error: {printable(e.message)}", err=True)
         if e.hint:
             click.echo(f"hint: {printable(e.hint)}", err=True)
+        return 1
+    except OSError as e:  # the one boundary for what the filesystem or the network says: unreadable or over-long
+        # paths, a full disk, a refused connection. The stages wrap what they expect; this is for the rest
+        if verbose:
+            raise
+        what = f"{e.strerror or type(e).__name__}" + (f": {os.fsdecode(e.filename)}" if e.filename else "")
+        click.echo(f"error: {printable(what if e.strerror else f'{type(e).__name__}: {e}')}", err=True)
+        click.echo("hint: check the path, its permissions and free space; -v shows where it happened", err=True)
         return 1
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

@@ -32,6 +32,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,8 +90,20 @@ class Recorder:
         self._notes: set[str] = set()
         self._compiled_shapes: set[tuple[int, int, int]] = set()  # met by the user's own torch.compile
         self._lock = threading.Lock()
+        self.stopped = False  # a process that outlived `kernelpack record`: nothing is recorded or stood in for
+
+    def _stop(self, why: str) -> None:
+        """Recording must never raise into the job: a process of the command that outlives record (a detached
+        child, a straggling rank) finds record's directory gone."""
+        if not self.stopped:
+            self.stopped, self.sink = True, None
+            print(f"kernelpack record: stopped recording this process ({why})", file=sys.stderr)
 
     def __call__(self, path: str, arguments: Mapping[str, Any] | None, mode: str, dynamic: bool) -> Any:
+        if self.sink is not None and not self.sink.parent.is_dir():
+            self._stop("its directory is gone: `kernelpack record` has ended")
+        if self.stopped:  # the call runs for real: zeros would be silently wrong results now
+            return None
         stand_in = _stand_in if self.compute == "skip" and path == "kernelpack.flex_attention" else None
         if arguments is None:
             self._note(
@@ -151,8 +164,12 @@ class Recorder:
         with self._lock:
             self.events.append(event)
             if self.sink is not None:
-                with open(self.sink, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(event) + "\n")
+                try:
+                    with open(self.sink, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(event) + "\n")
+                except OSError as e:
+                    self.stopped, self.sink = True, None
+                    print(f"kernelpack record: stopped recording this process ({e})", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -292,6 +309,7 @@ def record_command(
         site, calls = Path(tmp, "site"), Path(tmp, "calls")
         site.mkdir()
         calls.mkdir()
+        (calls / settings.RECORD_MARKER).write_text(f"{os.getpid()}\n")  # settings.record_dir() checks it
         (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
         env = dict(os.environ)
         env.update(
@@ -301,17 +319,14 @@ def record_command(
             PYTHONPATH=os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH", "")) if p),
         )
         start = time.perf_counter()
-        try:
-            proc = subprocess.run(list(command), env=env, check=False)
-        except OSError as e:
-            raise RecordError(f"cannot run {command[0]!r}: {e}", hint="kernelpack record -o R.toml -- CMD ARGS") from e
+        returncode = _run_to_the_end(command, env)
         seconds = time.perf_counter() - start
         processes = len(list(calls.glob("calls-*.jsonl")))
         events = read_events(calls)
     source = shlex.join(command)
-    if proc.returncode != 0:
+    if returncode != 0:
         raise RecordError(
-            f"`{source}` exited with status {proc.returncode}: no recipe written",
+            f"`{source}` exited with status {returncode}: no recipe written",
             hint="its own output is above; record a run that ends normally (a step or two suffice)",
         )
     if processes == 0:
@@ -323,6 +338,43 @@ def record_command(
     notes = tuple(e["note"] for e in events if "note" in e)
     entries = len({json.dumps({**e["call"]["config"], "graphs": None}, sort_keys=True) for e in events if "call" in e})
     return RecordResult(path, entries, processes, seconds, notes)
+
+
+def _run_to_the_end(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run the recorded command in a session of its own and return its exit status. Whatever stops record (^C,
+    SIGTERM: the CLI turns both into exceptions) stops the command's whole session first, so that no process of it
+    keeps running on GPUs, or writing into a directory record removes: SIGTERM, then SIGKILL after 10 s.
+    A terminal's ^C reaches record only (another session), which passes it on as SIGINT."""
+    try:
+        proc = subprocess.Popen(list(command), env=dict(env), start_new_session=True)
+    except OSError as e:
+        raise RecordError(f"cannot run {command[0]!r}: {e}", hint="kernelpack record -o R.toml -- CMD ARGS") from e
+    try:
+        return proc.wait()
+    except BaseException as e:
+        first = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        for sig, grace in ((first, 10.0), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=grace)
+                _wait_session_gone(proc.pid, grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+
+
+def _wait_session_gone(pgid: int, seconds: float) -> None:
+    """Until no process of group ``pgid`` is left (the command's children outlive it for a moment)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+    raise subprocess.TimeoutExpired("kernelpack record", seconds)
 
 
 def read_events(directory: Path) -> list[dict[str, Any]]:
@@ -951,6 +1003,12 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 def _toml_char(c: str) -> str:
     if c in '"\\':
         return "\\" + c
+    if 0xD800 <= ord(c) <= 0xDFFF:  # os.fsdecode's escape for a byte that is not UTF-8: no TOML string holds it
+        raise RecordError(
+            f"a recorded name holds the byte {ord(c) - 0xDC00:#04x}, which is not UTF-8 (a file or module name?): "
+            "a recipe cannot hold it",
+            hint="rename the file or module to UTF-8",
+        )
     if c.isprintable():
         return c  # the file is UTF-8
     return f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"

@@ -43,9 +43,13 @@ def _seconds(name: str, default: float) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not seconds >= 0:  # refuses non-numbers (nan), nan itself and negatives
-        raise SettingError(name, value, "a number of seconds (>= 0)")
+    if not 0 <= seconds <= _MAX_SECONDS:  # refuses non-numbers, nan, negatives and inf (a wait of inf seconds is
+        # an OverflowError in threading's waits, at every call)
+        raise SettingError(name, value, f"a number of seconds from 0 to {_MAX_SECONDS:.0f}")
     return seconds
+
+
+_MAX_SECONDS = 365 * 24 * 3600.0
 
 
 def _count(name: str, expected: str, *, hint: str | None = None) -> int | None:
@@ -66,11 +70,26 @@ def _flag(name: str, default: bool) -> bool:
     return value == "1"
 
 
+RECORD_MARKER = ".kernelpack-record"
+
+
 def record_dir() -> Path | None:
     """KERNELPACK_RECORD_DIR: set by ``kernelpack record`` for the job it runs (each process writes the calls it
-    makes there); None when the job is not being recorded."""
+    makes there); None when the job is not being recorded. The directory must hold the marker record writes:
+    activate() installs and refuses nothing while a job is recorded, so a variable left set outside record (an
+    exported shell variable, a copied job environment) must not silently switch the guard off."""
     value = _get("KERNELPACK_RECORD_DIR")
-    return Path(value) if value else None
+    if not value:
+        return None
+    if not (Path(value) / RECORD_MARKER).is_file():
+        raise SettingError(
+            "KERNELPACK_RECORD_DIR",
+            value,
+            "the directory of a running `kernelpack record`",
+            hint="unset KERNELPACK_RECORD_DIR: `kernelpack record -- CMD` sets it for the command it records (with "
+            "it set, activate() would install nothing and refuse nothing)",
+        )
+    return Path(value)
 
 
 def record_compute() -> str:

@@ -275,3 +275,9 @@ def test_hostile_options_and_paths_are_refused_before_any_work(
         assert main(command) == 1
         err = capsys.readouterr().err
         assert f"did you mean {recipe!r}?" in err and f"the registry's recipes: {recipe!r}" in err, err
+    # what the filesystem says reaches the user as an error and a hint, never a traceback
+    long = tmp_path / ("b" * 300 + ".toml")
+    for argv in (["build", str(long)], ["record", "-o", str(long), "--", "true"], ["inspect", str(long)],
+                 ["lock", str(reg), "--recipe", recipe, "-o", str(long)]):  # fmt: skip
+        r = kp(*argv)
+        assert r.returncode == 1 and "File name too long" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -412,3 +414,67 @@ def test_text_from_the_job_cannot_break_the_recipe() -> None:
     text = recipe_text([event], name="r", source="`python -c 'a\nb'`")
     (again,) = parse_recipe(tomllib.loads(text)).configs
     assert again.reference("mask") == {"function": config.mask, "closure": {"window": odd}}
+
+
+def test_a_recorded_string_that_is_not_utf8_is_a_record_error() -> None:
+    # os.fsdecode's escape for a non-UTF-8 byte (a file name) in a closure value: TOML has no string for it, and
+    # the recipe's own parse raised TOMLDecodeError (issue 34)
+    closure = json.dumps({"closure": {"tag": "data\udcffset"}})
+    event = _event(mask="mypkg.masks:by_tag", mask_closure=closure, window=None)
+    with pytest.raises(RecordError, match="holds the byte 0xff, which is not UTF-8"):
+        recipe_text([event], name="r")
+
+
+def test_record_dir_set_outside_record_is_refused_by_activate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # activate() installs and refuses nothing while a job is recorded: a variable left set outside record made it a
+    # silent no-op, the dense path included (issue 34)
+    from kernelpack.errors import SettingError
+    from kernelpack.runtime import activate
+
+    monkeypatch.setenv("KERNELPACK_RECORD_DIR", str(tmp_path))
+    with pytest.raises(SettingError, match=r"KERNELPACK_RECORD_DIR=.* is not the directory of a running"):
+        activate(strict=False)
+
+
+OUTLIVES = """
+import os, subprocess, sys
+if len(sys.argv) > 2:  # the detached child: waits for record to end, then calls flex as a job would
+    import time
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.1)
+    q = torch.randn(1, 1, 128, 16)
+    try:
+        out = flex_attention(q, q, q)  # eager: record notes it, and then it wrote into a directory that was gone
+        result = "ok" if out.abs().sum() > 0 else "zeros"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    open(sys.argv[1], "w").write(result)
+else:
+    import torch  # this process records (and ends at once)
+    import time
+    child = subprocess.Popen([sys.executable, __file__, sys.argv[1], sys.argv[1] + ".go"], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=open(sys.argv[1] + ".err", "w"))
+    calls = os.path.join(os.environ["KERNELPACK_RECORD_DIR"], f"calls-{child.pid}.jsonl")
+    while not os.path.exists(calls):  # the child records too, before this process (and record) ends
+        time.sleep(0.1)
+"""
+
+
+def test_a_process_that_outlives_record_is_never_raised_into(tmp_path: Path) -> None:
+    job = tmp_path / "job.py"
+    job.write_text(OUTLIVES)
+    result = tmp_path / "result"
+    r = subprocess.run(
+        [sys.executable, "-m", "kernelpack", "record", "-o", str(tmp_path / "r.toml"), "--", sys.executable,
+         str(job), str(result)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert r.returncode == 1 and "no flex_attention call was recorded" in r.stderr, r.stderr  # the parent made none
+    Path(f"{result}.go").write_text("")  # record has ended and removed its directory
+    deadline = time.monotonic() + 120
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert result.exists() and result.read_text() == "ok", Path(f"{result}.err").read_text()
+    assert "kernelpack record: stopped recording this process" in Path(f"{result}.err").read_text()

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,3 +86,104 @@ def test_a_stale_result_file_is_never_read_as_this_run(child: dict[str, str], tm
     (tmp_path / "w" / "result.json").write_text(json.dumps({"value": {"stale": True}}))
     out = run(child, tmp_path, {"do": "die"})
     assert out.value is None and not list((tmp_path / "w").glob("*.tmp"))
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (a test's own temp path: other runs never match)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = next(
+                (line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), ""
+            )
+        except OSError:
+            continue
+        if text in cmdline and "zombie" not in state:
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_for(predicate: Any, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
+    """Issue 34: ^C on a --jobs 1 build printed `aborted` after the remaining configs compiled; SIGTERM killed the
+    main process and left its worker compiling and its work dir. Now: the workers (and what they started) are gone
+    within seconds of any signal, SIGKILL included, and the work dir with them (SIGKILL: nothing can clean up)."""
+    from conftest import SMOKE
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelpack", "build", str(SMOKE), "-o", str(out), "--jobs", "1"],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:  # the first worker is compiling
+        if line.startswith("started "):
+            break
+    assert _wait_for(lambda: _processes_mentioning(str(tmp)), 30)
+    time.sleep(2)
+    start = time.monotonic()
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    rc = proc.wait(timeout=60)
+    assert time.monotonic() - start < 15, rest
+    assert _wait_for(lambda: not _processes_mentioning(str(tmp)), 10), _processes_mentioning(str(tmp))
+    assert not out.exists() or not list(out.iterdir())
+    if sig == signal.SIGKILL:
+        assert rc == -signal.SIGKILL
+        return
+    assert rc == 128 + sig, (rc, rest)
+    assert ("aborted" if sig == signal.SIGINT else "terminated (SIGTERM)") in rest and "Traceback" not in rest
+    assert not list(tmp.glob("kernelpack-build-*")), sorted(tmp.iterdir())
+    assert rest.count("started ") == 0  # the second config never started
+
+
+JOB = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open(sys.argv[1], "w").write(f"{os.getpid()} {child.pid}")
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
+    """Issue 34: SIGTERM to `kernelpack record` left the recorded command running and record's temp dir."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    (tmp_path / "job.py").write_text(JOB)
+    pids = tmp_path / "pids"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kernelpack", "record", "-o", str(tmp_path / "r.toml"), "--",
+         sys.executable, str(tmp_path / "job.py"), str(pids)],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert _wait_for(lambda: pids.exists() and pids.read_text(), 60)
+    job, child = map(int, pids.read_text().split())
+    proc.send_signal(sig)
+    rc = proc.wait(timeout=30)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert rc == 128 + sig, (rc, err)
+    for pid in (job, child):
+        assert _wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "zombie" in
+                         Path(f"/proc/{pid}/status").read_text(), 5), pid  # fmt: skip
+    assert not list(tmp.glob("kernelpack-record-*")) and not (tmp_path / "r.toml").exists()
