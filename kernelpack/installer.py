@@ -19,10 +19,11 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,36 +124,70 @@ def install_artifact(
     artifact's paths with other content is an error, not kept (torch would load it), and a second install counts as
     done only while every file still hashes to the manifest's sha256 (not its size: a same-size swap is seen).
     """
+    private = None
     try:
         if sha256 is None:
             return _install(str(artifact), cache_dir, allow_mismatch, device_index)
         with _pinned_copy(str(artifact), sha256) as private:
-            result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True)
+            result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True, name=str(artifact))
         return dataclasses.replace(result, artifact=str(artifact))
-    except ArtifactError as e:
-        e.hint = f"{e.hint}; the cache dir was left as it was"
+    except KernelpackError as e:
+        if private is not None:  # name the artifact, not the descriptor it was read through
+            e.message = e.message.replace(private, str(artifact))
+            e.args = (e.message,)
+        if isinstance(e, ArtifactError):
+            e.hint = f"{e.hint}; the cache dir was left as it was"
         raise
 
 
 @contextlib.contextmanager
 def _pinned_copy(path: str, sha256: str) -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="kernelpack-pinned-")  # 0700: this user's only
-    copy = os.path.join(tmp, os.path.basename(path))
+    """A path to bytes that hash to ``sha256`` and that nobody can swap until the block ends: on Linux the open file
+    itself (``/proc/self/fd/N``: hashed through that descriptor, installed from it; a rename or a new file at
+    ``path`` does not change what it names), no copy. Elsewhere a copy, hashed as it is written, in a private
+    staging directory (reaped by the next pinned install when a killed one left it)."""
     try:
-        h = hashlib.sha256()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise InstallError(path, f"cannot read the pinned artifact: {type(e).__name__}: {e}") from e
+    stage: Path | None = None
+    try:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, "rb") as src, open(copy, "wb") as out:
-                while chunk := src.read(_fs.CHUNK):
-                    h.update(chunk)
-                    out.write(chunk)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise InstallError(path, "the pinned artifact is not a regular file", hint="pull it again")
+            os.set_blocking(fd, True)
+            by_fd = f"/proc/self/fd/{fd}"
+            if os.path.exists(by_fd):
+                got, pinned_path = _hash_fd(fd), by_fd
+            else:
+                stage = _fs.make_stage_dir(Path(tempfile.gettempdir()), "kernelpack-pinned-")
+                pinned_path = os.path.join(stage, os.path.basename(path))
+                h = hashlib.sha256()
+                with open(pinned_path, "wb") as out:
+                    while chunk := os.read(fd, _fs.CHUNK):
+                        h.update(chunk)
+                        out.write(chunk)
+                got = h.hexdigest()
         except OSError as e:
+            if isinstance(e, KernelpackError):
+                raise
             raise InstallError(path, f"cannot read the pinned artifact: {type(e).__name__}: {e}") from e
-        if h.hexdigest() != sha256:
-            raise InstallError(path, f"sha256 {h.hexdigest()} is not the pinned {sha256}", hint="pull it again")
-        yield copy
+        if got != sha256:
+            raise InstallError(path, f"sha256 {got} is not the pinned {sha256}", hint="pull it again")
+        yield pinned_path
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if stage is not None:
+            _fs.remove_stage_dir(stage)
+        os.close(fd)
+
+
+def _hash_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _fs.CHUNK, offset):
+        h.update(chunk)
+        offset += len(chunk)
+    return h.hexdigest()
 
 
 def _install(
@@ -162,6 +197,7 @@ def _install(
     device_index: int,
     *,
     pinned: bool = False,
+    name: str | None = None,
 ) -> InstallResult:
     start = time.perf_counter()
     timings: dict[str, float] = {}
@@ -198,18 +234,22 @@ def _install(
             # another worker may have finished while we waited
             noop = _marker_valid(marker, target, manifest, pinned)
             if not noop:
-                counts = _extract(path, manifest, target, pinned)
-                _write_marker(
-                    marker,
-                    {
-                        "artifact": os.path.basename(path),
-                        "sha256": sha,
-                        "name": manifest.name,
-                        "files": len(manifest.files),
-                        "kept": counts.kept,
-                        "installed_at": time.time(),
-                    },
-                )
+
+                def write_marker(counts: _Counts, created: list[Path]) -> None:
+                    _write_marker(
+                        marker,
+                        {
+                            "artifact": os.path.basename(name or path),
+                            "sha256": sha,
+                            "name": manifest.name,
+                            "files": len(manifest.files),
+                            "kept": counts.kept,
+                            "installed_at": time.time(),
+                        },
+                        created,
+                    )
+
+                counts = _extract(path, manifest, target, pinned, write_marker)
                 lap("extract")
     return InstallResult(
         artifact=path,
@@ -340,12 +380,20 @@ def _node_lock(target: Path) -> Iterator[None]:
         yield
 
 
-def _extract(path: str, manifest: art.Manifest, target: Path, pinned: bool = False) -> _Counts:
+def _extract(
+    path: str,
+    manifest: art.Manifest,
+    target: Path,
+    pinned: bool = False,
+    finish: Callable[[_Counts, list[Path]], None] | None = None,
+) -> _Counts:
     """Stage every file, verified, then link each into place without clobbering anything.
 
     Any failure removes the staging directories and whatever this call created (files and directories), so the
     target ends exactly as it was. ``pinned``: a differing file already at one of the artifact's paths is such a
-    failure (an unpinned install keeps it and says so).
+    failure (an unpinned install keeps it and says so). ``finish`` (the install marker) runs last, inside the same
+    rollback: a marker that cannot be written (a full disk) takes the files just committed with it, so a failed
+    install never leaves files in place.
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
@@ -403,6 +451,8 @@ def _extract(path: str, manifest: art.Manifest, target: Path, pinned: bool = Fal
                 hint="install into a cache dir only this job writes (activate(cache_dir=...), kernelpack pull "
                 "--install --cache-dir DIR), or remove those files",
             )
+        if finish is not None:
+            finish(counts, created)
         return counts
     except BaseException as e:
         for stage in stages.values():
@@ -419,9 +469,9 @@ def _extract(path: str, manifest: art.Manifest, target: Path, pinned: bool = Fal
             _fs.remove_stage_dir(stage)
 
 
-def _write_marker(marker: Path, data: dict[str, object]) -> None:
+def _write_marker(marker: Path, data: dict[str, object], created: list[Path] | None = None) -> None:
     try:
-        _fs.makedirs(marker.parent, [])
+        _fs.makedirs(marker.parent, created if created is not None else [])
         _fs.write_bytes(marker, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:
         raise InstallError(str(marker.parent), f"cannot write the install marker: {type(e).__name__}: {e}") from e

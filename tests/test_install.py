@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -347,3 +348,73 @@ def test_a_cache_dir_torch_cannot_use_is_refused_naming_why(smoke_artifact: Path
     with pytest.raises(InstallError, match="torch's C\\+\\+ build command splits paths there"):
         install(smoke_artifact, spaced)
     assert not spaced.exists()
+
+
+def test_a_marker_that_cannot_be_written_takes_the_committed_files_with_it(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: a full disk at the marker, after the files were committed, exited 1 with the files in place. The
+    marker is part of the commit now: the target ends exactly as it was. (ENOSPC injected at the marker's write:
+    a real full disk at exactly that byte is not reproducible here.)"""
+    import errno
+
+    from kernelpack import _fs, installer
+
+    real = _fs.write_bytes
+
+    def full_at_the_marker(final: Path, data: bytes) -> None:
+        if final.parent.name == "installed":
+            raise OSError(errno.ENOSPC, "No space left on device", str(final))
+        real(final, data)
+
+    target = tmp_path / "cache"
+    target.mkdir()
+    (target / "theirs").write_text("x")
+    before = tree_digest(target)
+    monkeypatch.setattr(installer._fs, "write_bytes", full_at_the_marker)
+    with pytest.raises(InstallError, match=r"cannot write the install marker: OSError: .*No space left"):
+        install(smoke_artifact, target)
+    assert tree_digest(target) == before
+    monkeypatch.setattr(installer._fs, "write_bytes", real)
+    assert not install(smoke_artifact, target).noop  # and the next install does it all
+
+
+def test_a_pinned_install_copies_nothing_and_leaves_nothing(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: a pinned install copied the artifact into $TMPDIR/kernelpack-pinned-* on every rank, and a killed
+    one left its copy for ever. It reads the pinned bytes through the descriptor it hashed them through now."""
+    import tempfile
+
+    from kernelpack import _fs
+    from kernelpack.installer import install_artifact
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    sha = _fs.sha256_file(smoke_artifact)
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # a copy exists only while an install runs: look for one all along
+        while not done.is_set():
+            seen.update(p.name for p in tmp.iterdir() if p.name.startswith("kernelpack-pinned"))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        first = install_artifact(smoke_artifact, tmp_path / "c", sha256=sha)
+        again = install_artifact(smoke_artifact, tmp_path / "c", sha256=sha)
+    finally:
+        done.set()
+        watcher.join()
+    assert not seen
+    assert first.written == first.files and again.noop
+    assert not [p for p in tmp.iterdir() if p.name.startswith("kernelpack-pinned")]  # no copy, nothing to reap
+    assert json.loads(marker_path(tmp_path / "c", sha).read_text())["artifact"] == smoke_artifact.name
+    damaged = tmp_path / "damaged.kpack"
+    damaged.write_bytes(smoke_artifact.read_bytes()[:-5000])
+    with pytest.raises(ArtifactError) as e:
+        install_artifact(damaged, tmp_path / "d", sha256=_fs.sha256_file(damaged))
+    assert str(damaged) in e.value.message and "/proc/self/fd" not in str(e.value)
+    assert "the cache dir was left as it was" in str(e.value)

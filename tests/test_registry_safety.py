@@ -526,7 +526,9 @@ def test_a_newer_push_for_the_same_build_does_not_break_a_pinned_pull(
     lock = tmp_path / "k.lock"
     assert main(["lock", str(reg), "--recipe", recipe, "-o", str(lock)]) == 0
     # the same file name, as a rebuild gives: replaced by --force, kept aside for the locks that pin it
-    newer = repack(smoke_artifact, tmp_path / "n" / smoke_artifact.name, tmp_path / "w", created=2**31, kernelpack_version="0.0.1")
+    newer = repack(
+        smoke_artifact, tmp_path / "n" / smoke_artifact.name, tmp_path / "w", created=2**31, kernelpack_version="0.0.1"
+    )
     assert main(["push", str(newer), str(reg)]) == 1  # refused without --force
     assert main(["push", str(newer), str(reg), "--force"]) == 0
     (current,) = Registry(str(reg)).entries(recipe)
@@ -674,7 +676,9 @@ def test_one_artifact_per_build_key_whatever_its_file_name(
     capsys.readouterr()
     assert main(["push", str(renamed), str(reg)]) == 0  # the same bytes under another name: already there
     assert "unchanged" in capsys.readouterr().out
-    other = repack(smoke_artifact, tmp_path / "w" / "other-name.kpack", tmp_path / "w", created=1, kernelpack_version="0.0.1")
+    other = repack(
+        smoke_artifact, tmp_path / "w" / "other-name.kpack", tmp_path / "w", created=1, kernelpack_version="0.0.1"
+    )
     assert main(["push", str(other), str(reg)]) == 1
     err = capsys.readouterr().err
     assert "already holds another artifact for this build key" in err and smoke_artifact.name in err, err

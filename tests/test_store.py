@@ -97,7 +97,9 @@ def test_local_push_is_idempotent_and_refuses_overwrite(smoke_artifact: Path, tm
     assert status == "pushed" and entry.sha256 == art.sha256_file(smoke_artifact)
     assert (tmp_path / "reg" / entry.path).read_bytes() == smoke_artifact.read_bytes()
     assert reg.push(smoke_artifact)[1] == "unchanged"
-    other = repack(smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=1, kernelpack_version="0.0.1")  # other inputs
+    other = repack(
+        smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=1, kernelpack_version="0.0.1"
+    )  # other inputs
     with pytest.raises(RegistryError, match="already holds another artifact"):
         reg.push(other)
     assert reg.push(other, force=True)[1] == "replaced"
@@ -166,7 +168,9 @@ def test_lock_pins_and_pull_refuses_anything_else(smoke_artifact: Path, tmp_path
     assert [p["sha256"] for p in data["artifacts"]] == [art.sha256_file(smoke_artifact)]
     assert pull(str(tmp_path / "reg"), "smoke-cpu", lock=lock_file).entry.sha256 == data["artifacts"][0]["sha256"]
     # the registry's artifact changes under the same build key: the pin refuses it, naming both hashes
-    other = repack(smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=2, kernelpack_version="0.0.1")
+    other = repack(
+        smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=2, kernelpack_version="0.0.1"
+    )
     reg.push(other, force=True)
     # push --force keeps the replaced artifact for the locks that pin it; a registry without it (pruned, or
     # overwritten by something other than kernelpack) refuses
@@ -313,7 +317,9 @@ def test_s3_push_ls_pull_lock_and_errors(
     url = "s3://kp-registry/reg"
     assert main(["push", str(smoke_artifact), url, *opt]) == 0
     assert main(["push", str(smoke_artifact), url, *opt]) == 0 and "unchanged" in capsys.readouterr().out
-    other = repack(smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=3, kernelpack_version="0.0.1")
+    other = repack(
+        smoke_artifact, tmp_path / smoke_artifact.name, tmp_path / "w", created=3, kernelpack_version="0.0.1"
+    )
     assert main(["push", str(other), url, *opt]) == 1
     assert "already holds another artifact" in capsys.readouterr().err
     assert main(["ls", url, "--json", *opt]) == 0
