@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 from . import evidence, functions, precompiled, settings
 from ._torch.dynamo import compiled_already
-from ._torch.inductor import CONFIG_HINT
+from ._torch.inductor import CONFIG_HINT, compile_workers
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -310,6 +310,9 @@ class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # after a warm-up, per (warmed signature, tier): [calls served, q min, q max, kv min, kv max]
     served: dict[tuple[CallSignature, str], list[int]] = field(default_factory=dict)
+    # torch's own process-wide counters when this activation began ({}: the process's start): what torch counted
+    # that kernelpack holds no record of (compiled before it watched) is said in the report, never counted as 0
+    counters_at: dict[str, int] = field(default_factory=dict)
 
 
 _state = _State()
@@ -379,7 +382,7 @@ def activate(
             artifact=result.artifact, strict=strict, install=result, warmup=warm, dynamic_modes=dynamic_modes
         )
     # only now: a failed activate() leaves the previous one in force
-    _state = state = _State(active=activation, since=evidence.next_seq())
+    _state = state = _State(active=activation, since=evidence.next_seq(), counters_at=_torch_counters())
     evidence.watch_compiles(_observed, _refuse_foreign_compile)
     _register_integrations()
     if activation.warmup is not None:
@@ -1309,6 +1312,9 @@ class RuntimeReport:
     # the warmed signatures the inductor cache serves (tier 1) rather than a precompiled function, and why
     tier1: list[tuple[CallSignature, str]] = field(default_factory=list)
     precompiled: int = 0  # warmed signatures served by precompiled functions (tier 2)
+    # what this report cannot see, said rather than counted as 0: compiles torch counted before kernelpack watched,
+    # kernels compiled in inductor's compile worker processes
+    unseen: list[str] = field(default_factory=list)
 
     @property
     def compiled(self) -> list[FirstCall]:
@@ -1348,6 +1354,8 @@ class RuntimeReport:
             text += f"; {len(self.dense)} dense flex_attention calls"
         if self.refused:
             text += f"; {len(self.refused)} calls refused"
+        if self.unseen:
+            text += " [not seen here: " + "; ".join(self.unseen) + "]"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -1386,6 +1394,7 @@ class RuntimeReport:
             ],
             "precompiled": self.precompiled,
             "inductor_cache_tier": [{"call": sig.describe(), "why": why} for sig, why in self.tier1],
+            "unseen": list(self.unseen),
         }
 
 
@@ -1423,9 +1432,40 @@ def _jsonable(value: Any) -> Any:
     return value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
+def _torch_counters() -> dict[str, int]:
+    """torch's process-wide counters now; {} (all zero) while Dynamo is not imported: nothing has compiled, and
+    importing it costs the job's start a second."""
+    return evidence.snapshot() if "torch._dynamo" in sys.modules else {}
+
+
+def _unseen(state: _State, compiles: list[evidence.CompileRecord]) -> list[str]:
+    """What torch counted or did that the per-compile records do not hold (see :attr:`RuntimeReport.unseen`)."""
+    unseen = []
+    if "torch._dynamo" in sys.modules:
+        now = evidence.snapshot()
+        for key, what, seen in (
+            ("inductor.fxgraph_cache_miss", "FX-graph", sum(r.fx_misses or 0 for r in compiles)),
+            ("aot_autograd.autograd_cache_miss", "AOTAutograd", sum(r.aot_misses or 0 for r in compiles)),
+        ):
+            n = now.get(key, 0) - state.counters_at.get(key, 0) - seen
+            if n > 0:
+                unseen.append(
+                    f"torch counted {n} {what} cache misses that have no record here (compiled before kernelpack "
+                    "watched: call activate() before the first compiled call)"
+                )
+    workers = compile_workers()
+    if workers and "triton" in sys.modules:
+        unseen.append(
+            f"Triton kernels compiled in inductor's {workers} compile worker processes are not counted (their "
+            "FX-graph misses are)"
+        )
+    return unseen
+
+
 def report() -> RuntimeReport:
     """What this process compiled since :func:`activate`, from torch's own per-compile records, whatever code path
-    made it (:mod:`evidence`); what each first call cost; what the warm-up took; which calls were refused."""
+    made it (:mod:`evidence`); what each first call cost; what the warm-up took; which calls were refused. What it
+    cannot see it says (:attr:`RuntimeReport.unseen`): it never reports 0 for a process that compiled."""
     evidence.ensure_watching()
     state = _state
     warm = state.active.warmup if state.active is not None else None
@@ -1460,6 +1500,7 @@ def report() -> RuntimeReport:
             served,
             tier1,
             len(warm.precompiled) if done and warm is not None else 0,
+            _unseen(state, compiles),
         )
 
 

@@ -50,3 +50,21 @@ def test_dense_path_and_cold_compile_are_seen_then_a_warm_start_is_clean(tmp_pat
 def test_refuse_dense_raises_with_the_score_memory(tmp_path: Path) -> None:
     out = run(tmp_path, "refuse")
     assert "dense math path" in out["refused"] and "of float32 scores" in out["refused"]
+
+
+NO_ACTIVATE = """
+import json, torch
+from torch.nn.attention.flex_attention import flex_attention
+from kernelpack.runtime import report
+q = torch.randn(1, 1, 128, 16)
+torch.compile(flex_attention)(q, q, q)  # no activate(): kernelpack watched nothing of this
+print(json.dumps({"summary": report().summary(), "unseen": report().unseen}))
+"""
+
+
+def test_the_report_never_says_0_for_a_process_that_compiled(tmp_path: Path) -> None:
+    """Issue 34: report() said "0 of 0 compiles missed" for a process that compiled before kernelpack watched (the
+    README's first example at an uncovered shape). It says what torch counted and it has no record of."""
+    out = run_json([sys.executable, "-c", NO_ACTIVATE], env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c")})
+    assert out["unseen"] and "FX-graph cache misses that have no record here" in out["unseen"][0], out
+    assert "[not seen here: torch counted " in out["summary"], out["summary"]

@@ -7,6 +7,7 @@ Every function here serves torch 2.11-2.15.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -146,3 +147,19 @@ def fix_cpu_flex_split_names() -> None:
 
     modification.kernelpack_split_names = True  # type: ignore[attr-defined]
     cls.modification = modification  # type: ignore[method-assign]
+
+
+def compile_workers() -> int:
+    """How many subprocesses inductor's compile pool has started in this process (0: none; kernels compile here,
+    where the Triton listener sees them). Read without starting the pool: ``AsyncCompile.process_pool`` is an
+    ``lru_cache(1)`` staticmethod, filled once the pool exists, and ``get_compile_threads()`` sizes it. torch
+    2.11-2.15 (torch/_inductor/async_compile.py)."""
+    if "torch._inductor.async_compile" not in sys.modules:
+        return 0
+    from torch._inductor import async_compile
+
+    try:
+        started = async_compile.AsyncCompile.process_pool.cache_info().currsize > 0
+        return async_compile.get_compile_threads() if started else 0
+    except AttributeError as e:
+        raise unsupported(f"torch._inductor.async_compile has no process_pool cache ({e})") from e
