@@ -103,6 +103,10 @@ def run(
     cmd = [sys.executable, "-m", module, "--worker", json.dumps(payload), str(result_file)]
     env = {**env, EVENTS_ENV: str(events)} if on_event else dict(env)
     env[PARENT_ENV] = str(os.getpid())
+    # No working directory first on sys.path (python -m puts it there): a zstandard.py or torch/ in the directory
+    # kernelpack runs in must not shadow the installed one (issue 34). child_main appends it instead, for the user's
+    # mask factories. Python >= 3.11; on 3.10 child_main moves it.
+    env["PYTHONSAFEPATH"] = "1"
     start = time.perf_counter()
     seen = 0
 
@@ -182,6 +186,13 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+def _working_dir_last() -> None:
+    """The working directory at the end of sys.path, not the start: the user's mask factories (``mypkg.masks``
+    beside the recipe) import, installed packages are never shadowed by a file of the same name there."""
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", cwd)] + [cwd]
+
+
 def _tail(log_file: Path) -> str:
     """What to quote of a failed worker's log: the compiler's first error and the lines after it (gcc prints dozens
     of warnings, and the last lines of the log are warnings), else the log's last lines."""
@@ -215,6 +226,7 @@ def child_main(work: Callable[[dict[str, Any]], dict[str, Any]], argv: Sequence[
         print("usage: python -m MODULE --worker PAYLOAD_JSON RESULT_FILE (started by kernelpack)", file=sys.stderr)
         return 2
     _die_with_parent()
+    _working_dir_last()
     payload, result_file = argv[1], Path(argv[2])
     try:
         result: dict[str, Any] = {"value": work(json.loads(payload))}

@@ -186,11 +186,14 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
     from . import masks
 
     seen: set[str] = set()
-    # Import from where the workers will: they are `python -m` processes started now, so the working directory and
-    # the PYTHONPATH of this moment (a caller may have set it after start) come first on their sys.path; the
-    # `kernelpack` script's sys.path has neither
-    added = [p for p in [os.getcwd(), *settings.pythonpath()] if p not in sys.path]
+    # Import from where the workers will: they are `python -m` processes started now, so the PYTHONPATH of this
+    # moment (a caller may have set it after start) comes first on their sys.path and the working directory last
+    # (kernelpack._worker: safe path); the `kernelpack` script's sys.path has neither
+    added = [p for p in settings.pythonpath() if p not in sys.path]
     sys.path[:0] = added
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+        added.append(os.getcwd())
     try:
         for c in configs:
             for kind, what, spec in (("mask", "mask", c.mask), ("score", "score_mod", c.score_mod)):

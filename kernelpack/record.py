@@ -925,9 +925,9 @@ def _serves(built: Config, call: Config) -> bool:
     ref = built.reference("mask")
     assert ref is not None
     free = tuple(closures.varying(ref)) if built.dynamic else ()
-    # made again as the builder's workers make it (their sys.path starts with the working directory); a mask that
+    # made again as the builder's workers make it (their sys.path ends with the working directory); a mask that
     # cannot be made here cannot be built either: the error says so, before anything is written
-    sys.path.insert(0, os.getcwd())
+    sys.path.append(os.getcwd())
     try:
         job = mask_for(call, call.device)
         made = mask_for(built.at(call.q_len, call.kv_len), call.device)

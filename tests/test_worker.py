@@ -187,3 +187,22 @@ def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: s
         assert _wait_for(lambda pid=pid: not Path(f"/proc/{pid}").exists() or "zombie" in
                          Path(f"/proc/{pid}/status").read_text(), 5), pid  # fmt: skip
     assert not list(tmp.glob("kernelpack-record-*")) and not (tmp_path / "r.toml").exists()
+
+
+def test_workers_import_nothing_from_the_working_directory_before_the_installed_packages(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Issue 34: `kernelpack verify`'s worker imported a zstandard.py from the directory it ran in. The workers'
+    sys.path ends with the working directory (for the user's mask factories) instead of starting with it."""
+    planted = tmp_path / "zstandard.py"
+    planted.write_text(f"open({str(tmp_path / 'imported')!r}, 'w').write('yes')\nraise ImportError('planted')\n")
+    r = subprocess.run(
+        [str(Path(sys.executable).parent / "kernelpack"), "verify", str(smoke_artifact)],  # the script, as run
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (tmp_path / "imported").exists()
