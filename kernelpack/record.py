@@ -42,9 +42,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import _toml as _toml_writer
 from . import closures, evidence, runtime, settings
 from ._fs import check_replaceable, write_bytes
-from .errors import ConfigError, KernelpackError, RecipeError, printable
+from .errors import ConfigError, KernelpackError, RecipeError
 from .recipe import BUILTIN_MASKS, SCORE_MODS, Config, Recipe, check_name, parse_recipe
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS, CallSignature, signature_of
 
@@ -997,39 +998,15 @@ def _call_table(config: Config) -> dict[str, Any]:
     return t
 
 
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_char(c: str) -> str:
-    if c in '"\\':
-        return "\\" + c
-    if 0xD800 <= ord(c) <= 0xDFFF:  # os.fsdecode's escape for a byte that is not UTF-8: no TOML string holds it
-        raise RecordError(
-            f"a recorded name holds the byte {ord(c) - 0xDC00:#04x}, which is not UTF-8 (a file or module name?): "
-            "a recipe cannot hold it",
-            hint="rename the file or module to UTF-8",
-        )
-    if c.isprintable():
-        return c  # the file is UTF-8
-    return f"\\u{ord(c):04x}" if ord(c) < 0x10000 else f"\\U{ord(c):08x}"
-
-
 def _comment(text: str) -> str:
-    """Text that goes on one TOML comment line: no newline, no control character."""
-    return printable(text).replace("\n", " ")
+    return _toml_writer.comment(text)
 
 
 def _toml(value: Any) -> str:
-    """A TOML value (inline tables for dicts)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):  # a TOML basic string: quote, backslash and control characters escaped
-        return '"' + "".join(map(_toml_char, value)) + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(map(_toml, value)) + "]"
-    if isinstance(value, dict):
-        items = (f"{k if _BARE_KEY.fullmatch(k) else _toml(k)} = {_toml(v)}" for k, v in value.items())
-        return "{ " + ", ".join(items) + " }" if value else "{}"
-    raise RecipeError("<recorded recipe>", "?", f"cannot write {type(value).__name__} as TOML", value=value)
+    """A TOML value, through the one writer (:mod:`kernelpack._toml`)."""
+    try:
+        return _toml_writer.value(value)
+    except _toml_writer.NotWritable as e:
+        raise RecordError(
+            f"a recorded value {e}", hint="rename the file or module to UTF-8, or record other calls"
+        ) from None

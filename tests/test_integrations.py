@@ -72,3 +72,19 @@ def test_what_a_recipe_cannot_declare_yet_is_refused(over: dict, fragment: str) 
     with pytest.raises(KernelpackError, match=fragment) as exc:
         recipe_for(config, seq_lens=[256])
     assert exc.value.hint
+
+
+def test_recipe_for_writes_toml_no_config_value_can_break() -> None:
+    """Issue 34: recipe_for wrote TOML with f-strings: a model name with `"` wrote invalid TOML, with `"` and a
+    newline it injected keys. It goes through the one TOML writer record uses, and is read back before it returns."""
+    from kernelpack.errors import RecipeError
+
+    hostile = MistralConfig(**BASE)
+    hostile.model_type = 'mistral"\ndevice = "cpu"\n[compile]\nmode = "max-autotune'
+    text = recipe_for(hostile, seq_lens=[512], device="cuda", name="m")
+    data = tomllib.loads(text)
+    assert data["device"] == "cuda" and "compile" not in data and data["name"] == "m"
+    with pytest.raises(RecipeError, match="name: must be letters"):
+        recipe_for(MistralConfig(**BASE), seq_lens=[512], device="cuda", name='a"b')
+    with pytest.raises(RecipeError, match="name: must be letters"):
+        recipe_for(hostile, seq_lens=[512], device="cuda")  # the default name comes from model_type

@@ -19,6 +19,7 @@ LAYERS = {
     "settings": 0,
     "keys": 0,
     "_fs": 0,
+    "_toml": 0,  # the one TOML writer (record, recipe_for)
     "_lock": 0,
     "_worker": 0,
     "_torch": 0,  # torch's internals, one module per area (imports errors only; torch lazily)
@@ -47,6 +48,7 @@ LAYERS = {
     "verify": 5,
     "_render": 5,
     "cli": 5,
+    "__main__": 5,  # python -m kernelpack: the CLI
 }
 
 

@@ -26,10 +26,18 @@ Tested with transformers 5.17 (``kernelpack[transformers]``); the attention func
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import _toml
 from ..errors import KernelpackError
+from ..recipe import parse_recipe
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
 
 if TYPE_CHECKING:
     import torch
@@ -301,41 +309,51 @@ def recipe_for(
         kv_heads = q_heads
     layout = "q=bshd k=bhsd v=bhsd" if use_cache or not enable_gqa else "bshd"
     model_type = str(getattr(model_config, "model_type", "model"))
-    lines = [
-        f'# {model_type} through attn_implementation="kernelpack" (kernelpack.integrations.transformers.recipe_for)',
-        f'name = "{name or f"{model_type}-kernelpack"}"',
-        f'device = "{device}"',
-    ]
+    top: dict[str, Any] = {"name": name or f"{model_type}-kernelpack", "device": device}
     if window:
-        lines += ['mask = "kernelpack.integrations.transformers:sliding_window_mask"', f"windows = [{int(window)}]"]
+        top |= {"mask": "kernelpack.integrations.transformers:sliding_window_mask", "windows": [int(window)]}
     else:
-        lines.append('mask = "kernelpack.integrations.transformers:causal_mask"')
-    lines += [
-        "",
-        "[matrix]",
-        f"batch = {batch}",
-        f"q_heads = {q_heads}",
-        f"kv_heads = {kv_heads}",
-        f"seq_len = {_lengths(seq_lens)}",
-        f"head_dim = {head_dim}",
-        f'dtypes = ["{dtype}"]',
-        f"graphs = [{', '.join(f'{g!r}' for g in graphs)}]".replace("'", '"'),
-        "",
-        "[call]",
-        f'layout = "{layout}"',
-        *(['mask_dims = "per-batch"'] if batch > 1 else []),  # transformers' BlockMask: B = batch size
-        f"scale = {scale!r}",
-        f"enable_gqa = {'true' if enable_gqa else 'false'}",
-        'score_mod = "kernelpack.integrations.transformers:recipe_score_mod"',
-    ]
+        top["mask"] = "kernelpack.integrations.transformers:causal_mask"
+    matrix = {
+        "batch": batch,
+        "q_heads": q_heads,
+        "kv_heads": kv_heads,
+        "seq_len": _lengths(seq_lens),
+        "head_dim": head_dim,
+        "dtypes": [dtype],
+        "graphs": list(graphs),
+    }
+    call: dict[str, Any] = {"layout": layout}
+    if batch > 1:
+        call["mask_dims"] = "per-batch"  # transformers' BlockMask: B = batch size
+    call |= {
+        "scale": scale,
+        "enable_gqa": enable_gqa,
+        "score_mod": "kernelpack.integrations.transformers:recipe_score_mod",
+    }
     if device == "cuda":
-        lines.append('return_aux = "lse"')
+        call["return_aux"] = "lse"
+    tables: dict[str, dict[str, Any]] = {"matrix": matrix, "call": call}
     if isinstance(seq_lens, Mapping) and "multiple" not in seq_lens:
-        lines += ["", "[compile]", "dynamic = true"]
-    return "\n".join(lines) + "\n"
+        tables["compile"] = {"dynamic": True}
+    # through the one TOML writer (a model_type or name with a quote or a newline cannot break the file or add keys),
+    # then read back as the builder will: a bad name or value is an error here, naming the key
+    about = f'{model_type} through attn_implementation="kernelpack" (kernelpack.integrations.transformers.recipe_for)'
+    lines = ["# " + _toml.comment(about)]
+    try:
+        lines += [f"{_toml.key(k)} = {_toml.value(v)}" for k, v in top.items()]
+        for table, items in tables.items():
+            lines += ["", f"[{table}]", *(f"{_toml.key(k)} = {_toml.value(v)}" for k, v in items.items())]
+    except _toml.NotWritable as e:
+        raise KernelpackError(
+            f"recipe_for: a value {e}", hint="pass name= with letters, digits, '-', '_', '.'"
+        ) from None
+    text = "\n".join(lines) + "\n"
+    parse_recipe(tomllib.loads(text), path="recipe_for")  # raises RecipeError naming the key
+    return text
 
 
-def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
+def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> list[int] | dict[str, int]:
     if isinstance(seq_lens, Mapping):
         unknown = sorted(set(seq_lens) - {"min", "max", "multiple"})
         bad = [v for v in seq_lens.values() if isinstance(v, bool) or not isinstance(v, int)]
@@ -344,5 +362,5 @@ def _lengths(seq_lens: Sequence[int] | Mapping[str, int]) -> str:
                 f"recipe_for: seq_lens {dict(seq_lens)!r} is not a range",
                 hint='{"min": 1024, "max": 16384} (dynamic) or {"min": ..., "max": ..., "multiple": 512} (buckets)',
             )
-        return "{ " + ", ".join(f"{k} = {int(v)}" for k, v in seq_lens.items()) + " }"
-    return f"[{', '.join(str(int(n)) for n in seq_lens)}]"
+        return {k: int(v) for k, v in seq_lens.items()}
+    return [int(n) for n in seq_lens]
