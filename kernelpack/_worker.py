@@ -174,7 +174,7 @@ def _die_with_parent() -> None:
     """Ask the kernel to SIGKILL this worker when the process that started it dies (Linux): a SIGKILLed
     ``kernelpack build`` must not leave its workers compiling for minutes. The parent may have died before this
     ran: then exit at once."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = settings.worker_parent()
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -614,10 +614,10 @@ def recipe_text(
     out += [_comment(f"# note: {n}") for n in notes]
     if indices and indices != [0]:
         out.append(f"# CUDA device indices seen: {indices}: build with --devices {','.join(map(str, indices))}")
-    out += [f"name = {_toml(name)}"]
+    out += [f"name = {_toml_text(name)}"]
     if description:
-        out.append(f"description = {_toml(description)}")
-    out += [f"device = {_toml(devices.pop())}", ""]
+        out.append(f"description = {_toml_text(description)}")
+    out += [f"device = {_toml_text(devices.pop())}", ""]
     for group in _length_groups(entries.values()):
         graphs = sorted({g for entry in group for g in entry["graphs"]}, key=GRAPHS.index)
         recorded = [Config.from_dict({**entry["config"], "graphs": graphs}) for entry in group]
@@ -629,7 +629,7 @@ def recipe_text(
                 out += [_comment(f"# seen: {s}") for s in sites]
                 if indices_seen and indices_seen != [0]:
                     out.append(f"# device indices: {indices_seen}")
-            out += ["[[calls]]", *(f"{k} = {_toml(v)}" for k, v in table.items()), ""]
+            out += ["[[calls]]", *(f"{k} = {_toml_text(v)}" for k, v in table.items()), ""]
     text = "\n".join(out)
     if check:
         _replay(parse_recipe(tomllib.loads(text), path="<recorded recipe>"), recorded_calls, lengths)
@@ -782,8 +782,8 @@ def _tables(recorded: list[Config], lengths: Lengths | None = None) -> list[tupl
         return exact
     table, comments = _range_table(recorded, lengths)
     try:  # the proposal must parse; an invalid one (a range at one block) leaves the lengths one by one
-        head = f'name = "r"\ndevice = {_toml(recorded[0].device)}\n[[calls]]\n'
-        parse_recipe(tomllib.loads(head + "\n".join(f"{k} = {_toml(v)}" for k, v in table.items())))
+        head = f'name = "r"\ndevice = {_toml_text(recorded[0].device)}\n[[calls]]\n'
+        parse_recipe(tomllib.loads(head + "\n".join(f"{k} = {_toml_text(v)}" for k, v in table.items())))
     except RecipeError as e:
         if lengths is not None:
             raise RecordError(f"--lengths: {e}", hint="a range starts above one block (128)") from None
@@ -1002,7 +1002,7 @@ def _comment(text: str) -> str:
     return _toml_writer.comment(text)
 
 
-def _toml(value: Any) -> str:
+def _toml_text(value: Any) -> str:
     """A TOML value, through the one writer (:mod:`kernelpack._toml`)."""
     try:
         return _toml_writer.value(value)

@@ -217,6 +217,11 @@ def worker_events() -> str | None:
     return _get("KERNELPACK_WORKER_EVENTS")
 
 
+def worker_parent() -> str | None:
+    """The pid of the process that started this worker (:func:`kernelpack._worker.child_main`); set by it."""
+    return _get("KERNELPACK_WORKER_PARENT")
+
+
 def github_step_summary() -> str | None:
     """GitHub Actions' job summary file, where ``kernelpack verify`` appends its per-config table."""
     return _get("GITHUB_STEP_SUMMARY")
