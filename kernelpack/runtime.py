@@ -66,7 +66,7 @@ from .compiled import (
     wait_for_foreign_fx_trace,
 )
 from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
-from .installer import InstallResult, install_artifact
+from .installer import InstallResult, check_cache_dir, install_artifact, resolve_cache_dir
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
@@ -355,6 +355,10 @@ def activate(
         _register_integrations()
         log.warning("kernelpack record: activate() installs nothing and refuses nothing while the job is recorded")
         return _state.active  # type: ignore[return-value]
+    if cache_dir is not None or settings.inductor_cache_dir() is not None:
+        # before torch's inductor is imported: importing it makes TORCHINDUCTOR_CACHE_DIR (torch/_dynamo/package.py),
+        # and a file or an unwritable directory there would surface as a raw torch traceback
+        check_cache_dir(resolve_cache_dir(cache_dir))
     evidence.install_hooks(refuse_dense=True)
     if source is None and registry is None:
         source = settings.default_artifact()

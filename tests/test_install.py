@@ -418,3 +418,26 @@ def test_a_pinned_install_copies_nothing_and_leaves_nothing(
         install_artifact(damaged, tmp_path / "d", sha256=_fs.sha256_file(damaged))
     assert str(damaged) in e.value.message and "/proc/self/fd" not in str(e.value)
     assert "the cache dir was left as it was" in str(e.value)
+
+
+def test_activate_refuses_a_cache_dir_variable_torch_cannot_use_before_torch_reads_it(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Issue 34: TORCHINDUCTOR_CACHE_DIR naming a file gave a raw torch traceback from activate() (importing
+    inductor makes that directory). kernelpack refuses it first, naming it."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code = (
+        "import sys\nfrom kernelpack.errors import InstallError\nfrom kernelpack.runtime import activate\n"
+        f"try:\n    activate({str(smoke_artifact)!r})\nexcept InstallError as e:\n    print(e)\n    sys.exit(3)\n"
+    )
+    for value, fragment in ((afile, "afile: is not a directory"), (afile / "sub", "which is not a directory")):
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(value)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert r.returncode == 3 and fragment in r.stdout, r.stdout + r.stderr[-2000:]
