@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -244,6 +245,27 @@ class Activation:
         )
 
 
+def _forked_child() -> None:
+    """In a child forked while a background warm-up ran: that thread does not exist here, so a guarded call would
+    wait for it until KERNELPACK_WARMUP_WAIT_SECONDS (900 s by default) ran out. It fails at once instead, saying
+    why. (The Event is replaced: the warm-up thread may have held its lock at the fork.)"""
+    for warm in list(_background_warmups):
+        if not warm.done.is_set():
+            warm.error = KernelpackError(
+                "this process was forked while activate()'s background warm-up ran in its parent; the warm-up "
+                "thread does not exist here",
+                hint="fork before activate(), or activate(warmup=True) so that it ends before the fork, or call "
+                "activate() again in the child",
+            )
+            warm.done = threading.Event()
+            warm.done.set()
+
+
+_background_warmups: weakref.WeakSet[Warmup] = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked_child)
+
+
 class Warmup:
     """activate()'s warm-up: the first call of every covered signature this process can make, before training.
 
@@ -255,6 +277,8 @@ class Warmup:
     def __init__(self, background: bool) -> None:
         self.background = background
         self.done = threading.Event()
+        if background:
+            _background_warmups.add(self)
         self.error: BaseException | None = None
         self.seconds = 0.0
         self.signatures: set[CallSignature] = set()

@@ -543,3 +543,42 @@ def test_packed_sequences_through_the_integration_keep_each_rows_documents(
     pytest.importorskip("transformers")
     out = scenario("transformers_packed", smoke_artifact, tmp_path)
     assert max(out["packed"] + out["flipped"]) < 1e-5, out
+
+
+FORK_DURING_WARMUP = """
+import json, os, sys, time
+from kernelpack import runtime
+real = runtime._warm_up
+def slow(state, activation):  # the job forks while the warm-up is still at it
+    time.sleep(3)
+    real(state, activation)
+runtime._warm_up = slow
+activation = runtime.activate(sys.argv[1], warmup="background")
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    start = time.monotonic()
+    try:
+        activation.warmup.wait()
+        result = "waited"
+    except Exception as e:
+        result = str(e)
+    os.write(write, json.dumps({"result": result, "seconds": time.monotonic() - start}).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+child = json.loads(os.read(read, 65536))
+activation.warmup.wait()  # the parent's warm-up is unaffected
+print(json.dumps({**child, "parent_done": activation.warmup.error is None}))
+"""
+
+
+def test_a_child_forked_during_a_background_warm_up_fails_at_once_saying_why(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Issue 34: a fork during a background warm-up left the child waiting 900 s for a thread it does not have."""
+    out = run_json(
+        [sys.executable, "-c", FORK_DURING_WARMUP, str(smoke_artifact)],
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"), "KERNELPACK_WARMUP_WAIT_SECONDS": "60"},
+    )
+    assert "forked while activate()'s background warm-up ran" in out["result"], out
+    assert out["seconds"] < 1 and out["parent_done"]
