@@ -7,116 +7,22 @@ never prints; only the CLI imports this module. Everything goes to stderr: stdou
 from __future__ import annotations
 
 import json
-import math
-import statistics
 import sys
-import threading
 import time
 from typing import Any
 
 import click
 
-from .build import BuildProgress, ConfigOutcome
+from .build import BuildLines, ConfigOutcome, hms
+from .build import BuildProgressBase as _BuildBase
 from .recipe import Config
 from .verify import VerifyProgress
 
 MODES = ("auto", "live", "plain", "jsonl", "none")
 
 
-def hms(seconds: float) -> str:
-    m, s = divmod(int(seconds), 60)
-    return f"{m}:{s:02d}"
-
-
 def _mode(mode: str) -> str:
     return ("live" if sys.stderr.isatty() else "plain") if mode == "auto" else mode
-
-
-class Eta:
-    """Time left for ``total`` configs run ``jobs`` at a time: the configs running now finish after the mean time of
-    the finished ones (less what they ran already), the queued ones in waves of ``jobs`` after that."""
-
-    def __init__(self, total: int, jobs: int) -> None:
-        self.total, self.jobs = total, max(1, jobs)
-        self.running: dict[tuple[str, int], float] = {}
-        self.durations: list[float] = []
-
-    def started(self, key: tuple[str, int]) -> None:
-        self.running[key] = time.perf_counter()
-
-    def finished(self, key: tuple[str, int]) -> float:
-        """The seconds this config ran (as seen here, timed-out workers included)."""
-        seconds = time.perf_counter() - self.running.pop(key, time.perf_counter())
-        self.durations.append(seconds)
-        return seconds
-
-    def left(self) -> float | None:
-        if not self.durations:
-            return None
-        mean, now = statistics.mean(self.durations), time.perf_counter()
-        running = max((max(0.0, mean - (now - t)) for t in self.running.values()), default=0.0)
-        queued = self.total - len(self.durations) - len(self.running)
-        return running + mean * math.ceil(max(0, queued) / self.jobs)
-
-
-class _BuildBase(BuildProgress):
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.t0 = time.perf_counter()
-        self.eta = Eta(0, 1)
-        self.done = 0
-
-    def start(self, total: int, jobs: int) -> None:
-        with self.lock:
-            self.t0, self.eta = time.perf_counter(), Eta(total, jobs)
-            self._start(total, jobs)
-
-    def config_started(self, config: Config, device_index: int) -> None:
-        with self.lock:
-            self.eta.started((config.id, device_index))
-            self._config_started(config, device_index)
-
-    def config_done(self, outcome: ConfigOutcome) -> None:
-        with self.lock:
-            self.done += 1
-            ran = self.eta.finished((outcome.config.id, outcome.device_index))
-            # a worker that failed (or timed out) reports no compile time: show how long it ran
-            self._config_done(outcome, outcome.seconds if outcome.ok else (outcome.wall_seconds or ran))
-            last = self.done == self.eta.total
-        if last:  # outside the lock: a live display's refresh thread takes it, and stopping joins that thread
-            self.close()
-
-    def close(self) -> None: ...
-
-    def _start(self, total: int, jobs: int) -> None: ...
-
-    def _config_started(self, config: Config, device_index: int) -> None: ...
-
-    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None: ...
-
-    def _eta(self) -> str:
-        left = self.eta.left()
-        return "?" if left is None else hms(left)
-
-
-class BuildLines(_BuildBase):
-    """One line per finished config (CI logs stay readable)."""
-
-    def _start(self, total: int, jobs: int) -> None:
-        click.echo(f"building {total} config(s), {jobs} at a time", err=True)
-
-    def _config_started(self, config: Config, device_index: int) -> None:  # a log shows what is compiling now
-        device = f" on cuda:{device_index}" if config.device == "cuda" else ""
-        click.echo(f"started {config.describe()}{device}", err=True)
-
-    def _config_done(self, outcome: ConfigOutcome, seconds: float) -> None:
-        total = self.eta.total
-        click.echo(
-            f"[{self.done:>{len(str(total))}}/{total}] {'ok  ' if outcome.ok else 'FAIL'} {seconds:6.1f}s "
-            f"{outcome.config.describe()}  elapsed {hms(time.perf_counter() - self.t0)} "
-            f"eta {self._eta()}",
-            err=True,
-        )
 
 
 class BuildJsonl(_BuildBase):

@@ -114,7 +114,7 @@ def test_verify_progress_check_and_the_github_step_summary(smoke_artifact: Path,
 
 
 def test_the_eta_accounts_for_parallel_jobs() -> None:
-    from kernelpack._render import Eta
+    from kernelpack.build import Eta
 
     serial, parallel = Eta(5, 1), Eta(5, 4)
     for eta in (serial, parallel):

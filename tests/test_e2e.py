@@ -153,11 +153,17 @@ def user_recipe(tmp_path: Path, windows: str) -> Path:
     return recipe
 
 
-def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(user_masks: Path, tmp_path: Path) -> None:
+def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(
+    user_masks: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     from kernelpack.build import build_recipe
 
     result = build_recipe(user_recipe(tmp_path, "[32, 64]"), tmp_path / "out", jobs=2, keep_going=True)
     assert result.artifact is not None and len(result.failed) == 1
+    # from Python too, a line per config as it starts and ends (issue 34: a minute or more of silence)
+    err = capfd.readouterr().err
+    assert "building 2 config(s), 2 at a time" in err and err.count("started ") == 2
+    assert "] ok " in err and "] FAIL " in err
     m = art.read_manifest(result.artifact).to_dict()
     assert [c["params"]["window"] for c in m["configs"]] == [32]
     assert [f["params"]["window"] for f in m["failed"]] == [64] and "exploded" in m["failed"][0]["error"]
