@@ -240,14 +240,24 @@ class Manifest:
     merged_from: tuple[str, ...] = ()
     # the builder's settings that enter inductor's cache keys (compiled.key_settings); empty in older artifacts
     key_settings: Mapping[str, str] = field(default_factory=dict, hash=False)
-    _index: dict[CallSignature, BuiltConfig] = field(init=False, repr=False, compare=False, hash=False)
+    # the coverage index, signature -> config, made on first use: reading a manifest (inspect, push, ls) needs none,
+    # and for the largest manifest the bounds allow it is 200,000 signatures (seconds, hundreds of MiB)
+    _lazy_index: dict[CallSignature, BuiltConfig] | None = field(
+        init=False, default=None, repr=False, compare=False, hash=False
+    )
     # the dynamic range configs: a call is covered by one when its lengths are in the ranges
     _ranged: tuple[BuiltConfig, ...] = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        index = {s: c for c in self.configs for d in c.devices for s in c.signatures(d)}
-        object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_ranged", tuple(c for c in self.configs if c.config.q_range is not None))
+
+    @property
+    def _index(self) -> dict[CallSignature, BuiltConfig]:
+        if self._lazy_index is None:
+            index = {s: c for c in self.configs for d in c.devices for s in c.signatures(d)}
+            object.__setattr__(self, "_lazy_index", index)
+            return index
+        return self._lazy_index
 
     @property
     def free_sets(self) -> tuple[tuple[str, ...], ...]:

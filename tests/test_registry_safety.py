@@ -726,3 +726,31 @@ def test_re_running_ci_publishes_a_rebuild_without_force(
     other = repack(smoke_artifact, tmp_path / "w" / rebuilt.name, tmp_path / "w", kernelpack_version="0.0.1")
     assert main(["push", str(other), str(reg)]) == 1
     assert "already holds another artifact for this build key" in capsys.readouterr().err
+
+
+def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Issue 34: the largest manifest the bounds allow (10,000 configs on 20 GPUs: 200,000 signatures) took
+    seconds and hundreds of MiB to read, because the coverage index was built on every read; it is made on first
+    use now (inspect, push and ls never use it): 0.85 s here, 5.3 s before. The bar: under 200 MiB."""
+    from kernelpack.recipe import Config
+
+    def largest(m: dict) -> None:
+        c0 = m["configs"][0]
+        configs = []
+        for i in range(art.MAX_CONFIGS):
+            params = {**c0["params"], "window": i + 1, "device": "cuda"}
+            configs.append({**c0, "id": Config.from_dict(params).id, "params": params, "devices": list(range(20)),
+                            "precompiled": []})  # fmt: skip
+        m["configs"] = configs
+
+    big = _crafted(smoke_artifact, tmp_path / "big.kpack", largest)
+    assert big.stat().st_size < 1 << 20
+    start = time.perf_counter()
+    manifest = art.read_manifest(big)
+    seconds = time.perf_counter() - start
+    assert len(manifest.configs) == art.MAX_CONFIGS and seconds < 2.5, seconds  # at ce002de: 5.3 s
+    tracemalloc.start()
+    art.read_manifest(big)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 200 << 20, peak >> 20
