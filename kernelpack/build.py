@@ -29,7 +29,7 @@ from . import _fs, _worker, closures, evidence, settings
 from . import artifact as art
 from .canonical import marks as canonical_marks
 from .compiled import free_mask_values, key_settings, marking, trace_settings
-from .errors import BuildError, KernelpackError, printable
+from .errors import BuildError, KernelpackError, RecipeError, printable
 from .keys import BuildKey, probe
 from .masks import block_mask_for
 from .recipe import Config, Recipe, load_recipe
@@ -300,9 +300,48 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
                 if ":" in spec and spec not in seen and c.reference(kind) is None:  # type: ignore[arg-type]
                     seen.add(spec)
                     masks.load_factory(spec, what)
+        _references_run(recipe, configs)
     finally:
         for p in added:
             sys.path.remove(p)
+
+
+def _references_run(recipe: Recipe, configs: Sequence[Config]) -> None:
+    """Each function reference (``{ function = "mod:qualname", closure = {...} }``) made again and called once on
+    index scalars, as flex calls it, before any worker starts: a closure value of the wrong type for its function
+    (``window = "128"``) failed inside every build worker, or at ``activate()``, with the function's own TypeError
+    (issue 34). A factory (``"pkg.mod:factory"``) is the user's code, built per config: its failures stay per-config
+    build failures (``--keep-going`` ships the rest)."""
+    import torch
+
+    from . import masks
+
+    index = torch.zeros((), dtype=torch.int32)
+    seen: set[tuple[str, str | None]] = set()
+    for c in configs:
+        for kind, name, closure in (("mask", c.mask, c.mask_closure), ("score", c.score_mod, c.score_closure)):
+            if closure is None or (name, closure) in seen:
+                continue
+            seen.add((name, closure))
+            try:
+                if kind == "mask":
+                    masks.mask_for(c, "cpu")(index, index, index, index)
+                else:
+                    fn = masks.score_mod_for(c)
+                    assert fn is not None
+                    fn(torch.zeros(()), index, index, index, index)
+            except KernelpackError:
+                raise
+            except Exception as e:
+                what = "mask" if kind == "mask" else "score_mod"
+                raise RecipeError(
+                    f"recipe {recipe.name!r}",
+                    what,
+                    f"the function {name} fails with these closure values ({c.describe()}): {type(e).__name__}: "
+                    f"{str(e)[:300]}",
+                    value=json.loads(closure).get("closure"),
+                    hint="give each closure value the type the function uses (record writes them as the job had them)",
+                ) from None
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -478,3 +478,18 @@ def test_a_process_that_outlives_record_is_never_raised_into(tmp_path: Path) -> 
         time.sleep(0.2)
     assert result.exists() and result.read_text() == "ok", Path(f"{result}.err").read_text()
     assert "kernelpack record: stopped recording this process" in Path(f"{result}.err").read_text()
+
+
+def test_a_closure_value_of_the_wrong_type_is_refused_before_any_worker_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a closure value its function cannot use failed in every build worker, or at activate(), with the function's
+    # own TypeError (issue 34): the builder calls each reference once first, as flex does
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text('name = "bad"\ndevice = "cpu"\n' + CALL.replace("window = 64", 'window = "64"'))
+    start = time.perf_counter()
+    assert main(["build", str(recipe), "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "mask: the function user_model:local_window.<locals>.local_causal fails with these closure values" in err
+    assert "TypeError" in err and "{'window': '64'}" in err and "started " not in err, err
+    assert time.perf_counter() - start < 30 and not (tmp_path / "out").exists()
