@@ -237,17 +237,20 @@ def inspect_cmd(artifact: str, as_json: bool, check: bool) -> None:
         click.echo("read the manifest only; `kernelpack inspect --verify` checks every member's hash")
 
 
-@commands.command(name="install")
-@click.argument("artifact", type=click.Path(dir_okay=False))
-@click.option("--cache-dir", default=None, help="Target (default: TORCHINDUCTOR_CACHE_DIR or torch's default).")
-@click.option("--allow-mismatch", is_flag=True, help="Install even if built for another torch/GPU (warns).")
-@click.option(
+_device_index_option = click.option(
     "--device-index",
     default=0,
     show_default=True,
     type=click.IntRange(min=0),
     help="CUDA device whose name is compared.",
 )
+
+
+@commands.command(name="install")
+@click.argument("artifact", type=click.Path(dir_okay=False))
+@click.option("--cache-dir", default=None, help="Target (default: TORCHINDUCTOR_CACHE_DIR or torch's default).")
+@click.option("--allow-mismatch", is_flag=True, help="Install even if built for another torch/GPU (warns).")
+@_device_index_option
 def install_cmd(artifact: str, cache_dir: str | None, allow_mismatch: bool, device_index: int) -> None:
     """Install ARTIFACT into a TorchInductor cache directory (verified, atomic, idempotent)."""
     _needs_torch("install")
@@ -393,13 +396,7 @@ def ls_cmd(registry: str, recipe: str | None, as_json: bool, storage_options: tu
 @click.option("--install", "do_install", is_flag=True, help="Install into the cache dir after downloading.")
 @click.option("--cache-dir", default=None, help="Install target (default: TORCHINDUCTOR_CACHE_DIR or torch's).")
 @click.option("--lock", "lock_file", default=None, type=click.Path(dir_okay=False), help="Only the pinned artifact.")
-@click.option(
-    "--device-index",
-    default=0,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="CUDA device whose name is compared.",
-)
+@_device_index_option
 @_storage_option
 def pull_cmd(
     registry: str,
