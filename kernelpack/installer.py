@@ -29,6 +29,7 @@ from pathlib import Path
 
 from . import _fs, _lock, settings
 from . import artifact as art
+from ._torch.inductor import CPP_UNSAFE_PATH_CHARS
 from .errors import ArtifactError, InstallError, KernelpackError, KernelpackWarning, KeyMismatchError, LockTimeoutError
 from .keys import differences, probe
 
@@ -268,11 +269,6 @@ def _install(
     )
 
 
-# what torch's C++ build command cannot carry: inductor joins the kernel's source and output paths (in the cache dir)
-# into one command line unquoted and splits it with shlex (torch/_inductor/cpp_builder.py, 2.11-2.15)
-_CPP_UNSAFE = set(" \t\n\r\f\v'\"\\")
-
-
 def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
     """Refuse, before anything is written or loaded, a cache dir that torch could not use or that someone else
     could change: one another user can write (what is installed there is code every worker runs: issue 34), one
@@ -300,7 +296,7 @@ def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
                 hint="use a directory only you can write (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / --cache-dir), "
                 "or chmod go-w it",
             )
-        bad = sorted(set(str(d.absolute())) & _CPP_UNSAFE)
+        bad = sorted(set(str(d.absolute())) & CPP_UNSAFE_PATH_CHARS)
         if device_type == "cpu" and bad:
             raise InstallError(
                 str(d),

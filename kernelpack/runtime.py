@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 from . import evidence, functions, precompiled, settings
 from ._torch.dynamo import compiled_already
+from ._torch.dynamo import imported as dynamo_imported
 from ._torch.inductor import CONFIG_HINT, compile_workers
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
@@ -380,7 +381,7 @@ def activate(
         log.warning("kernelpack record: activate() installs nothing and refuses nothing while the job is recorded")
         return _state.active  # type: ignore[return-value]
     if cache_dir is not None or settings.inductor_cache_dir() is not None:
-        # before torch's inductor is imported: importing it makes TORCHINDUCTOR_CACHE_DIR (torch/_dynamo/package.py),
+        # before torch's inductor is imported: importing Dynamo makes TORCHINDUCTOR_CACHE_DIR (_torch.dynamo.imported),
         # and a file or an unwritable directory there would surface as a raw torch traceback
         check_cache_dir(resolve_cache_dir(cache_dir))
     evidence.install_hooks(refuse_dense=True)
@@ -1463,13 +1464,13 @@ def _jsonable(value: Any) -> Any:
 def _torch_counters() -> dict[str, int]:
     """torch's process-wide counters now; {} (all zero) while Dynamo is not imported: nothing has compiled, and
     importing it costs the job's start a second."""
-    return evidence.snapshot() if "torch._dynamo" in sys.modules else {}
+    return evidence.snapshot() if dynamo_imported() else {}
 
 
 def _unseen(state: _State, compiles: list[evidence.CompileRecord]) -> list[str]:
     """What torch counted or did that the per-compile records do not hold (see :attr:`RuntimeReport.unseen`)."""
     unseen = []
-    if "torch._dynamo" in sys.modules:
+    if dynamo_imported():
         now = evidence.snapshot()
         for key, what, seen in (
             ("inductor.fxgraph_cache_miss", "FX-graph", sum(r.fx_misses or 0 for r in compiles)),

@@ -263,3 +263,19 @@ def _marked_trace() -> dict[str, object]:
 
 if __name__ == "__main__":
     print(json.dumps({"marked_trace": _marked_trace}[sys.argv[1]]()))
+
+
+POOL = """
+import json
+from kernelpack._torch import dynamo, inductor
+before = inductor.compile_workers(), dynamo.imported()
+from torch._inductor import async_compile
+workers = inductor.compile_workers()
+started = async_compile.AsyncCompile.process_pool.cache_info().currsize
+print(json.dumps({"before": before, "workers": workers, "started": started, "dynamo": dynamo.imported()}))
+"""
+
+
+def test_the_compile_pool_is_read_without_starting_it() -> None:
+    out = run_json([sys.executable, "-c", POOL])
+    assert out == {"before": [0, False], "workers": 0, "started": 0, "dynamo": True}, out

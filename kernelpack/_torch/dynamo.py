@@ -349,3 +349,10 @@ def compiled_frame_locals() -> Mapping[str, Any] | None:
             return candidate.f_locals  # type: ignore[no-any-return]
         f = f.f_back
     return None
+
+
+def imported() -> bool:
+    """Whether Dynamo is imported in this process (nothing has compiled before it is). Importing it also makes
+    inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``): torch/_dynamo/package.py calls ``cache_dir()`` at import
+    (torch 2.11-2.15)."""
+    return "torch._dynamo" in sys.modules

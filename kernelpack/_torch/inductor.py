@@ -149,11 +149,16 @@ def fix_cpu_flex_split_names() -> None:
     cls.modification = modification  # type: ignore[method-assign]
 
 
+# What torch's C++ build command cannot carry in a path: inductor joins the kernel's source and output paths (in the
+# cache dir) into one command line unquoted and splits it with shlex (torch/_inductor/cpp_builder.py, 2.11-2.15)
+CPP_UNSAFE_PATH_CHARS = frozenset(" \t\n\r\f\v'\"\\")
+
+
 def compile_workers() -> int:
     """How many subprocesses inductor's compile pool has started in this process (0: none; kernels compile here,
     where the Triton listener sees them). Read without starting the pool: ``AsyncCompile.process_pool`` is an
-    ``lru_cache(1)`` staticmethod, filled once the pool exists, and ``get_compile_threads()`` sizes it. torch
-    2.11-2.15 (torch/_inductor/async_compile.py)."""
+    ``lru_cache(1)`` staticmethod, filled once the pool exists, and ``get_compile_threads()`` sizes it
+    (torch/_inductor/async_compile.py, torch 2.11-2.15)."""
     if "torch._inductor.async_compile" not in sys.modules:
         return 0
     from torch._inductor import async_compile
