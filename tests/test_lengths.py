@@ -381,7 +381,8 @@ def test_new_fields_do_not_change_an_older_calls_recipes_sha256() -> None:
 @pytest.mark.parametrize(
     "text, key, fragment",
     [
-        ("seq_len = { min = 1, max = 1000000000000, multiple = 1 }", "matrix.seq_len.multiple", "buckets (at most"),
+        ("seq_len = { min = 1, max = 1000000, multiple = 1 }", "matrix.seq_len.multiple", "buckets (at most"),
+        ("seq_len = { min = 1, max = 1000000000000, multiple = 1 }", "matrix.seq_len.max", "from 1 to 2147483647"),
         ('seq_len = { min = 200, max = 1000 }\n[compile]\ndynamic = "yes"', "compile.dynamic", "must be a boolean"),
     ],
 )
