@@ -130,7 +130,9 @@ def install_artifact(
         if sha256 is None:
             return _install(str(artifact), cache_dir, allow_mismatch, device_index)
         with _pinned_copy(str(artifact), sha256) as private:
-            result = _install(private, cache_dir, allow_mismatch, device_index, pinned=True, name=str(artifact))
+            result = _install(
+                private, cache_dir, allow_mismatch, device_index, pinned=True, name=str(artifact), sha256=sha256
+            )
         return dataclasses.replace(result, artifact=str(artifact))
     except KernelpackError as e:
         if private is not None:  # name the artifact, not the descriptor it was read through
@@ -199,7 +201,10 @@ def _install(
     *,
     pinned: bool = False,
     name: str | None = None,
+    sha256: str | None = None,
 ) -> InstallResult:
+    """``sha256``: what ``path`` is known to hash to (a pinned install hashed it already, through the descriptor it
+    installs from), so it is not read a second time."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -222,7 +227,7 @@ def _install(
         )
     target = target or resolve_cache_dir(cache_dir)
     check_cache_dir(target, built.device_type)
-    sha = _fs.sha256_file(path)
+    sha = sha256 or _fs.sha256_file(path)
     lap("hash")
     marker = marker_path(target, sha)
     counts = _Counts()
