@@ -295,8 +295,9 @@ class Registry:
     # ------------------------------------------------------------------------------------------------ writing
 
     def push(self, artifact: str | os.PathLike[str], *, force: bool = False) -> PushResult:
-        """Publish ``artifact``. Returns (entry, "pushed" | "unchanged" | "replaced" | "repaired", whether the
-        registry was created by this push)."""
+        """Publish ``artifact``, checked whole first. Returns (entry, "pushed" | "unchanged" | "rebuild" |
+        "replaced" | "repaired", whether the registry was created by this push): "rebuild" is another artifact with
+        the published one's inputs (the published one is kept and returned), "replaced" needs ``force``."""
         if self.read_only:
             raise RegistryError(
                 self.url,
