@@ -177,14 +177,29 @@ def private_dir_problem(directory: Path) -> str | None:
         st = real.stat()
         if st.st_uid != me:
             return f"is owned by uid {st.st_uid}, not by this user (uid {me})"
-        if st.st_mode & 0o022:
+        if st.st_mode & 0o002 or (st.st_mode & 0o020 and not _private_group(st.st_gid)):
             return f"is writable by other users (mode {oct(st.st_mode & 0o777)})"
     for parent in (existing, *existing.parents) if existing != real else existing.parents:
         pst = parent.stat()
-        others = pst.st_mode & 0o002 or (pst.st_mode & 0o020 and pst.st_uid != me)
+        others = pst.st_mode & 0o002 or (pst.st_mode & 0o020 and not (pst.st_uid == me and _private_group(pst.st_gid)))
         if others and not pst.st_mode & stat.S_ISVTX:
             return f"lies in {parent}, which other users can write (mode {oct(pst.st_mode & 0o777)}, no sticky bit)"
     return None
+
+
+def _private_group(gid: int) -> bool:
+    """Whether group ``gid`` is this user's private group (the user-private-group scheme of most distributions and
+    clusters, where umask 002 makes directories 0775): this user's primary group, named like the user, with no
+    other members. Group write on such a directory lets no one else in."""
+    try:
+        import grp
+        import pwd
+
+        user = pwd.getpwuid(os.getuid())
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError):
+        return False
+    return gid == user.pw_gid and group.gr_name == user.pw_name and not [m for m in group.gr_mem if m != user.pw_name]
 
 
 def writable_dir_problem(directory: Path) -> str | None:

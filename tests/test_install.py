@@ -315,6 +315,25 @@ def test_a_cache_dir_others_can_change_is_refused_before_anything_is_written(
     assert main(["install", str(smoke_artifact), "--cache-dir", str(shared)]) == 1
     err = capsys.readouterr().err
     assert "writable by other users" in err and "chmod go-w" in err and "Traceback" not in err
+    # group write is harmless on this user's private group (umask 002 on most clusters makes directories 0775), and
+    # refused for a group others are in
+    import grp
+    import pwd
+
+    own = tmp_path / "own-group"
+    own.mkdir()
+    own.chmod(0o775)
+    me = pwd.getpwuid(os.getuid())
+    private = grp.getgrgid(me.pw_gid).gr_name == me.pw_name and not set(grp.getgrgid(me.pw_gid).gr_mem) - {me.pw_name}
+    if private:
+        assert install(smoke_artifact, own).written > 0
+    if os.getuid() == 0:
+        grouped = tmp_path / "grouped"
+        grouped.mkdir()
+        os.chown(grouped, 0, 65534)
+        grouped.chmod(0o770)
+        with pytest.raises(InstallError, match=r"writable by other users \(mode 0o770\)"):
+            install(smoke_artifact, grouped)
     if os.getuid() == 0:  # only root can hand a directory to another user
         theirs = tmp_path / "theirs"
         theirs.mkdir()
