@@ -285,22 +285,26 @@ def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
     if triton_dir is not None:
         dirs.append(("TRITON_CACHE_DIR", triton_dir))
     for what, d in dirs:
-        problem = _fs.writable_dir_problem(d)
-        if problem:
-            raise InstallError(
-                str(d),
-                f"{problem}: torch writes its locks and new entries in the {what}, so loading from it would fail",
-                hint="point the cache dir at a writable directory (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / "
-                "--cache-dir)",
-            )
-        problem = _fs.private_dir_problem(d)
-        if problem:
-            raise InstallError(
-                str(d),
-                f"{problem}: another user could change the code every worker loads from it",
-                hint="use a directory only you can write (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / --cache-dir), "
-                "or chmod go-w it",
-            )
+        for check, consequence, hint in (
+            (
+                _fs.writable_dir_problem,
+                f"torch writes its locks and new entries in the {what}, so loading from it would fail",
+                "point the cache dir at a writable directory",
+            ),
+            (
+                _fs.private_dir_problem,
+                "another user could change the code every worker loads from it",
+                "use a directory only you can write",
+            ),
+        ):
+            problem = check(d)
+            if problem:
+                raise InstallError(
+                    str(d),
+                    f"{problem}: {consequence}",
+                    hint=f"{hint} (TORCHINDUCTOR_CACHE_DIR, or cache_dir= / --cache-dir)"
+                    + (", or chmod go-w it" if check is _fs.private_dir_problem else ""),
+                )
         bad = sorted(set(str(d.absolute())) & CPP_UNSAFE_PATH_CHARS)
         if device_type == "cpu" and bad:
             raise InstallError(

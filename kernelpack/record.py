@@ -169,8 +169,7 @@ class Recorder:
                     with open(self.sink, "a", encoding="utf-8") as f:
                         f.write(json.dumps(event) + "\n")
                 except OSError as e:
-                    self.stopped, self.sink = True, None
-                    print(f"kernelpack record: stopped recording this process ({e})", file=sys.stderr)
+                    self._stop(str(e))
 
 
 @contextlib.contextmanager
