@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything issue #2 measures on the H200, in one device call. Writes logs and JSON under $OUT (or ./out).
-#   bash bench/h200.sh [tests|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
+#   bash bench/h200.sh [tests|tests-bg|tests-collect|build|profile|bench|threads|torchrun|spread|multi|keep|bench-bg|collect|ckpt-bg|
 #                       ckpt-collect|user-bg|user-collect|tf|tf-ckpt-bg|tf-ckpt-collect|record|all]
 # RECIPE (default recipes/dflash-drafter.toml) is what build builds; user-bg needs recipes/dflash-drafter-bshd.toml.
 # ART_DIR (default /tmp/kp-art) holds the artifact that build writes and the other modes use.
@@ -334,6 +334,17 @@ if [[ $what == i20-collect ]]; then
     [[ -f $f ]] && { echo "== $f"; tail -12 "$f"; }
   done
   grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t20/pytest-multi.log 2>/dev/null | tail -8
+fi
+# tests-bg: the GPU suite detached (it outlasts one device call); tests-collect waits for it and brings its log back
+if [[ $what == tests-bg ]]; then
+  rm -rf /tmp/gt; mkdir -p /tmp/gt
+  setsid nohup bash -c 'python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 \
+    > /tmp/gt/pytest-gpu.log 2>&1; touch /tmp/gt/done' > /dev/null 2>&1 < /dev/null &
+  echo "GPU suite started in the background"
+fi
+if [[ $what == tests-collect ]]; then
+  collect /tmp/gt done
+  grep -hE "PASSED|FAILED|ERROR|SKIPPED|passed|failed" "$OUT/pytest-gpu.log" | tail -24
 fi
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
