@@ -4,6 +4,8 @@
 # rounded), 20 steps. Writes JSON lines and logs under $OUT.
 #   bash bench/dflash_h200.sh a   # record (no option), build --jobs 8, kernelpack x3, cold x1 (saves a mega-cache)
 #   bash bench/dflash_h200.sh b   # cold x2 more, native warm x3 (the cold runs' cache dirs), mega-cache x3
+#   bash bench/dflash_h200.sh d   # issue 36: record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
+#                                 # the default (eager), cold x1, native warm x2 (its cache dir): one run
 # Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
 # when every thread's first step is done (drafter_job.py's first_step_seconds).
 set -uo pipefail
@@ -46,4 +48,16 @@ if [[ ${1:-a} == b ]]; then
   [[ -f $D/mega.bin ]] || cp $D/mega-2.bin $D/mega.bin
   for r in 1 2 3; do c=$D/cold-$r; [[ -d $c ]] || c=$D/cold-2; TORCHINDUCTOR_CACHE_DIR=$c arm warm $r --flex torch; done
   for r in 1 2 3; do TORCHINDUCTOR_CACHE_DIR=$D/mega-cache-$r arm mega $r --flex torch --mega-load $D/mega.bin; done
+fi
+if [[ ${1:-a} == d ]]; then
+  rm -rf $D/*
+  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
+  echo "record exit $?" | tee -a "$OUT/record.log"
+  s=$(date +%s.%N)
+  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
+  echo "build exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/build.log"
+  for r in 1 2 3; do KERNELPACK_LOAD=lazy arm kernelpack-lazy $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r; done
+  for r in 1 2; do arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kpe-cache-$r; done
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
+  for r in 1 2; do TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch; done
 fi

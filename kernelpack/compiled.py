@@ -282,7 +282,8 @@ def recompile_floor() -> int:
 
 
 def apply_thread_config() -> None:
-    _dynamo.raise_recompile_limit(_recompile_floor)
+    if _dynamo.imported():  # nothing traces before Dynamo is imported, and importing it costs a second (issue 36)
+        _dynamo.raise_recompile_limit(_recompile_floor)
 
 
 # ------------------------------------------------------------------------------------------ settings in the keys

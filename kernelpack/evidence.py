@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import os
 import sys
@@ -33,6 +34,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import _imports
 from ._torch import dynamo as _dynamo
 from ._torch import flex as _flex
 from ._torch import inductor as _inductor
@@ -64,10 +66,18 @@ def install_hooks(*, refuse_dense: bool = False) -> None:
         _refuse_dense = _refuse_dense or refuse_dense
         if _installed:
             return
-        _hook_triton()
-        _hook_cpp()
         _hook_dense()
         _installed = True
+    # Triton's listener and inductor's C++ builds the moment their modules are imported (nothing compiles before
+    # they are): importing them here would cost the job's start 1.5-3 s (issue 36). Outside the lock: a module
+    # imported already is hooked now, in this thread.
+    global triton_detection
+    if importlib.util.find_spec("triton") is None:
+        triton_detection = "no triton"
+    else:
+        triton_detection = "when Triton is imported"
+        _imports.after_import("triton", lambda _: _hook_triton())
+    _inductor.watch_cpp_builds_when_imported(_on_cpp_build)
 
 
 def set_refuse_dense(refuse: bool) -> None:
@@ -114,15 +124,12 @@ def _hook_triton() -> None:
     triton_detection = _triton.watch_compiles(kernel)
 
 
-def _hook_cpp() -> None:
-    def build(compiled: bool) -> None:
-        if compiled:
-            own["cpp_compiled"] += 1
-            _charge("cpp_compiled")
-        else:
-            own["cpp_preprocessed"] += 1
-
-    _inductor.watch_cpp_builds(build)
+def _on_cpp_build(compiled: bool) -> None:
+    if compiled:
+        own["cpp_compiled"] += 1
+        _charge("cpp_compiled")
+    else:
+        own["cpp_preprocessed"] += 1
 
 
 def dense_score_bytes(query: Any, key: Any) -> int:
@@ -241,7 +248,13 @@ def watch_compiles(on_record: OnRecord | None = None, on_start: OnStart | None =
         _on_start = on_start if on_start is not None else _on_start
         if compile_detection != "not installed":
             return
-        compile_detection = _hook_compiles()
+        compile_detection = "when Dynamo is imported"
+    # when Dynamo is imported (now, if it is: nothing has compiled before; importing it costs a second)
+    try:
+        _dynamo.when_imported(_hook_compiles)
+    except BaseException:
+        compile_detection = "not installed"
+        raise
 
 
 def compile_records(since: int = 0) -> list[CompileRecord]:
@@ -271,11 +284,12 @@ def tagged(tag: Any) -> Iterator[Any]:
         _tls.tag = previous
 
 
-def _hook_compiles() -> str:
+def _hook_compiles() -> None:
+    global compile_detection
     detection = _dynamo.watch_compile_metrics(_record_compile)
     with contextlib.suppress(ImportError, AttributeError):  # without it, compiles are recorded but not refusable
         _dynamo.watch_compile_starts(_compile_starting)
-    return detection
+    compile_detection = detection
 
 
 def ensure_watching() -> None:

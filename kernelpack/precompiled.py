@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from . import _fs, functions
-from ._torch.aot import Loaded, compile_call, dumps, guards_pass, loads, unavailable
+from ._torch.aot import Loaded, compile_call, dumps, guards_pass, load_unavailable, loads, unavailable
 from .artifact import PRECOMPILED_DIR
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "file_name",
     "guards_pass",
     "load",
+    "load_unavailable",
     "loads",
     "reads_globals",
     "unavailable",

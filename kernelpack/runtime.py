@@ -48,6 +48,7 @@ from typing import Any, Literal
 from . import evidence, functions, precompiled, settings
 from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
+from ._torch.dynamo import when_imported as when_dynamo_imported
 from ._torch.inductor import CONFIG_HINT, compile_workers
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
@@ -69,7 +70,7 @@ from .compiled import (
 )
 from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, check_cache_dir, install_artifact, resolve_cache_dir
-from .masks import block_mask_for, mask_for, score_mod_for
+from .masks import block_mask, block_mask_dims, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
@@ -190,7 +191,9 @@ def _configure_process(result: InstallResult) -> None:
             stacklevel=4,
         )
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(target)
-    ensure_recompile_limit(recompile_floor_for(len(result.manifest.signatures)))
+    floor = recompile_floor_for(len(result.manifest.signatures))
+    # when Dynamo is imported (now, if it is): importing it here would cost the job's start a second (issue 36)
+    when_dynamo_imported(lambda: ensure_recompile_limit(floor))
 
 
 # ------------------------------------------------------------------------------------------------ activation
@@ -294,6 +297,10 @@ class Warmup:
         self.precompiled: dict[CallSignature, precompiled.Loaded] = {}
         self.tier1_why: dict[CallSignature, str] = {}
         self.mods: list[Any] = []  # every warmed mask_mod and score_mod: the code tier 2 may run (_runs_warmed_code)
+        # tier 2, loaded lazily (KERNELPACK_LOAD=lazy): signature -> (its config, device), until its first call loads
+        # it; one load at a time (torch's code cache is process-wide), never a trace
+        self.lazy: dict[CallSignature, tuple[BuiltConfig, str]] = {}
+        self.load_lock = threading.Lock()
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -303,7 +310,8 @@ class Warmup:
         dynamic = sum(s.dynamic for s in self.signatures)
         ranges = f" ({dynamic} of them dynamic graphs, each serving its range)" if dynamic else ""
         tiers = f", {len(self.precompiled)} served by precompiled functions" if self.precompiled else ""
-        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s{ranges}{tiers}"
+        lazy = f", {len(self.lazy)} precompiled functions load at their first call" if self.lazy else ""
+        return f"{len(self.signatures)} signatures warmed in {self.seconds:.2f} s{ranges}{tiers}{lazy}"
 
     def wait(self) -> None:
         """Until the warm-up is done (bounded); raises if it failed."""
@@ -419,8 +427,24 @@ def activate(
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
         else:
             _warm_up(state, activation)
+        _first_load(state, activation)
     log.info(activation.describe())
     return activation
+
+
+def _first_load(state: _State, activation: Activation) -> None:
+    """For precompiled functions loaded lazily: one first load now, in activate(). The loader's imports (inductor's
+    code cache, the generated code's modules, Triton; on a CPU the vector-ISA probe, 2 s of gcc runs) are paid once,
+    by the first load in the process, whichever function it loads: here, not in the job's first step.
+
+    Not in a background thread while the job builds its model: Dynamo and inductor import each other, and a job
+    thread importing one of them while another thread imports the other deadlocks in the import system, which
+    breaks the cycle with a half-made module (an ImportError of a name in inductor's utils, seen on torch 2.13 when
+    the job read Dynamo's counters in its main thread during such a background import)."""
+    warm = activation.warmup
+    if warm is None or not warm.lazy or warm.background:
+        return
+    _loaded(state, warm, activation, next(iter(warm.lazy)), thread_is_warmup=True)
 
 
 # library -> the kernelpack integration activate() registers when the job has imported that library (never
@@ -462,6 +486,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
         import torch
 
         apply_thread_config()
+        lazy = settings.load_precompiled_lazily()
         visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for built in manifest.configs:
             config = built.config
@@ -473,14 +498,14 @@ def _warm_up(state: _State, activation: Activation) -> None:
                     continue
                 device = "cpu" if config.device == "cpu" else f"cuda:{index}"
                 # factories make their example tensors on the current device: this one, as in the builder's worker
-                with torch.cuda.device(index) if config.device == "cuda" else contextlib.nullcontext():
-                    bm = block_mask_for(config, device)
+                on_device = torch.cuda.device(index) if config.device == "cuda" else contextlib.nullcontext()
+                with on_device:
+                    mask_mod = mask_for(config, device)
                     score_mod = score_mod_for(config)
-                if built.mask_key_of(bm.mask_mod) != built.mask_key:
+                if built.mask_key_of(mask_mod) != built.mask_key:
                     for sig in sigs:
                         warm.skipped[sig] = (
-                            f"its mask computes {built.mask_key_of(bm.mask_mod)!r} here, {built.mask_key!r} in the "
-                            "builder"
+                            f"its mask computes {built.mask_key_of(mask_mod)!r} here, {built.mask_key!r} in the builder"
                         )
                     continue
                 if built.score_key and score_mod_key(score_mod) != built.score_key:
@@ -490,12 +515,25 @@ def _warm_up(state: _State, activation: Activation) -> None:
                             "builder"
                         )
                     continue
-                _remember(warm.masks, bm.mask_mod, "mask")
+                _remember(warm.masks, mask_mod, "mask")
                 _remember(warm.score_mods, score_mod, "score")
-                warm.mods += [f for f in (bm.mask_mod, score_mod) if f is not None and f not in warm.mods]
+                warm.mods += [f for f in (mask_mod, score_mod) if f is not None and f not in warm.mods]
+                bm = None  # the canonical call's BlockMask, made only for a signature that is called now
                 for sig in sigs:
-                    if not _load_precompiled(state, warm, activation, built, sig, device, bm, score_mod):
-                        _warm_one(state, warm, built, sig, device, bm)
+                    why = _tier2_why(built, sig, mask_mod, score_mod)
+                    if why is None and lazy:
+                        warm.lazy[sig] = (built, device)  # loaded at its first call (_loaded)
+                        continue
+                    if bm is None:
+                        with on_device:
+                            bm = block_mask(
+                                mask_mod, config.q_len, config.kv_len, device, **block_mask_dims(config, mask_mod)
+                            )
+                    if why is not None:
+                        warm.tier1_why[sig] = why
+                    elif _load_precompiled(state, warm, activation, built, sig, device, bm):
+                        continue
+                    _warm_one(state, warm, built, sig, device, bm)
         warm.served_by = frozenset(e for e in warm.entries.values() if e is not None)
         warm.by_entry = {e: sig for sig, e in warm.entries.items() if e is not None}
     except BaseException as e:
@@ -532,7 +570,68 @@ def _tier2_unavailable() -> str | None:
     """Why no call is served by a precompiled function in this process, or None."""
     if not settings.serve_precompiled():
         return "KERNELPACK_PRECOMPILED=0"
-    return precompiled.unavailable()
+    return precompiled.load_unavailable()
+
+
+def _loaded(
+    state: _State, warm: Warmup, activation: Activation, sig: CallSignature, *, thread_is_warmup: bool = False
+) -> precompiled.Loaded | None:
+    """The precompiled function of ``sig``: loaded already, or now if it loads lazily (at its first call;
+    activate() loads one, :func:`_first_load`). Loading checks the file against the manifest's sha256, unpickles
+    the function and imports its generated code: it traces nothing and waits for no other thread's call, so it is
+    safe in a training thread and on the autograd engine's thread (a reentrant checkpoint's recompute). A function
+    that fails to load serves nothing: its calls are refused, saying why (with KERNELPACK_LOAD=eager the inductor
+    cache serves such a signature, traced at activate())."""
+    loaded = warm.precompiled.get(sig)
+    if loaded is not None or sig not in warm.lazy:
+        return loaded
+    with warm.load_lock:  # one load at a time: torch's code cache is process-wide
+        loaded = warm.precompiled.get(sig)
+        spec = warm.lazy.get(sig)
+        if loaded is not None or spec is None:
+            return loaded
+        built = spec[0]
+        entry = built.precompiled_for(sig.device_index or 0, sig.graph)
+        assert entry is not None and activation.install is not None
+        try:
+            with _measured(_Call("kernelpack load", sig)) as measured:
+                loaded = precompiled.load(
+                    Path(activation.install.cache_dir, entry.path), built.config.device, entry.sha256
+                )
+        except Exception as e:
+            why = f"its precompiled function failed to load at its first call: {type(e).__name__}: {e}"[:1000]
+            warm.skipped[sig] = why + " (KERNELPACK_LOAD=eager: the inductor cache serves such a signature)"
+            del warm.lazy[sig]
+            log.warning("kernelpack: %s: %s", sig.describe(), why)
+            return None
+        warm.precompiled[sig] = loaded
+        warm.signatures.add(sig)
+        del warm.lazy[sig]
+    with state.lock:
+        state.first_calls.append(
+            FirstCall(
+                sig,
+                built.config.id,
+                threading.current_thread().name,
+                measured.seconds,
+                measured.counters,
+                warmup=thread_is_warmup,
+                tier="precompiled",
+            )
+        )
+    return loaded
+
+
+def _tier2_why(built: BuiltConfig, sig: CallSignature, mask_mod: Any, score_mod: Any) -> str | None:
+    """Why a precompiled function cannot serve this signature here (the inductor cache serves it), or None."""
+    why = _tier2_unavailable()
+    if why is None and built.precompiled_for(sig.device_index or 0, sig.graph) is None:
+        why = built.not_precompiled or "the artifact has no precompiled function for it"
+    for kind, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        read = precompiled.reads_globals(fn) if why is None else None
+        if read:  # torch drops guards on globals from a saved function: the job could change the value unseen
+            why = f"its {kind} reads the global {read}, whose guards torch drops from a precompiled function"
+    return why
 
 
 def _load_precompiled(
@@ -543,27 +642,18 @@ def _load_precompiled(
     sig: CallSignature,
     device: str,
     bm: Any,
-    score_mod: Any,
 ) -> bool:
-    """Tier 2 for one warmed signature: load its precompiled function from the installed cache and make the canonical
-    call through it (kernel loading happens here, not in the job's first step). On any failure the inductor cache
-    serves the signature (the caller warms it) and :attr:`Warmup.tier1_why` says why. Runs in the warm-up's thread:
-    never at the first-call gate, never on an autograd engine thread."""
+    """Tier 2 for one warmed signature, loaded now (KERNELPACK_LOAD=eager): load its precompiled function from the
+    installed cache and make the canonical call through it (kernel loading happens here, not in the job's first
+    step). On any failure the inductor cache serves the signature (the caller warms it) and
+    :attr:`Warmup.tier1_why` says why. Runs in the warm-up's thread: never at the first-call gate, never on an
+    autograd engine thread."""
     import torch
 
     config = built.config
     assert activation.install is not None
     entry = built.precompiled_for(sig.device_index or 0, sig.graph)
-    why = _tier2_unavailable()
-    if why is None and entry is None:
-        why = built.not_precompiled or "the artifact has no precompiled function for it"
-    for kind, fn in (("mask_mod", bm.mask_mod), ("score_mod", score_mod)):
-        read = precompiled.reads_globals(fn) if why is None else None
-        if read:  # torch drops guards on globals from a saved function: the job could change the value unseen
-            why = f"its {kind} reads the global {read}, whose guards torch drops from a precompiled function"
-    if why is not None or entry is None:
-        warm.tier1_why[sig] = why or ""
-        return False
+    assert entry is not None
     try:
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
             loaded = precompiled.load(Path(activation.install.cache_dir, entry.path), config.device, entry.sha256)
@@ -820,23 +910,24 @@ def _serve(
     any other is refused. Dynamo's own guards decide (they see strides, grad mode, the mask function's code, ...);
     where torch cannot run them, the call signature stands in."""
     warm.wait()
+    apply_thread_config()  # Dynamo is imported by now (the install's build key), and a tier-1 graph may serve
     # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
-    if warm.precompiled:
+    if warm.precompiled or warm.lazy:
         # The call as it is, then with the warmed mask_mod/score_mod of the same graph in place of its own (as tier 1
         # serves it): its exact signature, which names what those functions compute, stands in for the identity
         # guards torch dropped; torch's remaining guards run in serves().
         for candidate in (arguments, *_substitutes(warm, arguments)):
             sig = _signature(mode, dynamic, candidate)
-            loaded = warm.precompiled.get(sig)
+            loaded = _loaded(state, warm, active, sig)
             if loaded is None and active.dynamic_modes and mode in active.dynamic_modes:
                 # a length of a dynamic range config's range (strict: in the range, by the manifest): its function,
                 # traced at the range's middle, whose guards hold over the range (torch's checks run in serves())
                 coverage = active.covers(sig)
                 if coverage.entry is not None and coverage.entry.config.q_range is not None:
                     sig = Manifest.traced(sig, coverage.entry)
-                    loaded = warm.precompiled.get(sig)
+                    loaded = _loaded(state, warm, active, sig)
             if loaded is not None and _runs_warmed_code(warm, candidate) and loaded.serves(candidate):
                 _count_served(state, sig, arguments, "precompiled")
                 with evidence.tagged(_SERVED):

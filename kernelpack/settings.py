@@ -156,6 +156,20 @@ def serve_precompiled() -> bool:
     return _flag("KERNELPACK_PRECOMPILED", True)
 
 
+def load_precompiled_lazily() -> bool:
+    """``KERNELPACK_LOAD=lazy``: activate() loads one precompiled function (what every load imports is paid once, by
+    the first), and each other one at its signature's first call (loading traces nothing, so any thread may, the
+    autograd engine's included); no canonical call is made for them. Default ``eager``: activate() loads every
+    precompiled function it serves and makes its canonical call, serving one that fails to load from the inductor
+    cache (traced then). Not the default yet: the report then counts lazily loaded functions as the job's first
+    calls, not the warm-up's (issue 36)."""
+    raw = os.environ.get("KERNELPACK_LOAD", "")
+    value = raw.strip().lower() or "eager"
+    if value not in ("lazy", "eager"):
+        raise SettingError("KERNELPACK_LOAD", raw, "lazy or eager")
+    return value == "lazy"
+
+
 def precompile_at_build() -> bool:
     """``KERNELPACK_PRECOMPILE=0`` at build time: build tier 1 only (no aot-compiled functions in the artifact)."""
     return _flag("KERNELPACK_PRECOMPILE", True)

@@ -19,6 +19,7 @@ LAYERS = {
     "settings": 0,
     "keys": 0,
     "_fs": 0,
+    "_imports": 0,
     "_toml": 0,  # the one TOML writer (record, recipe_for)
     "_lock": 0,
     "_worker": 0,

@@ -352,3 +352,72 @@ def test_a_rebuilt_artifact_in_a_shared_cache_dir_runs_its_own_mask_not_the_prev
     assert old["id"] == new["id"], (old, new)  # one config id, two mask codes: the case that collided
     assert old["served"] == new["served"] == ["precompiled"], (old, new)
     assert old["error"] < 1e-5 and new["error"] < 1e-5, (old, new)
+
+
+LAZY = """
+import json, sys, threading, torch
+from torch._dynamo.utils import counters
+import kernelpack
+from kernelpack import masks, runtime
+torch.set_num_threads(2)
+gen = torch.Generator().manual_seed(0)
+inputs = tuple(torch.randn(1, 2, 256, 64, generator=gen) for _ in range(3))
+from torch.nn.attention.flex_attention import flex_attention
+eager = {w: flex_attention(  # the reference, before activate() refuses it
+    *inputs, block_mask=masks.block_mask(masks.sliding_window(w), 256, 256, "cpu")) for w in (64, 128)}
+activation = runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+at_activate = [(c.tier, c.warmup) for c in runtime.report().first_calls]
+swapped = None
+if sys.argv[3] == "swap":  # a function not loaded yet, swapped for other bytes after activate(), before its first call
+    sig, (built, _) = next(iter(activation.warmup.lazy.items()))
+    swapped = built.config.window
+    path = activation.install.cache_dir + "/" + built.precompiled_for(sig.device_index or 0, sig.graph).path
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+frames = counters["frames"]["ok"]
+results = {}
+def call(i, w):
+    try:
+        out = kernelpack.flex_attention(*inputs, block_mask=masks.block_mask(masks.sliding_window(w), 256, 256, "cpu"))
+        results[f"{i}-{w}"] = out
+    except Exception as e:
+        results[f"{i}-{w}"] = f"{type(e).__name__}: {e}"
+threads = [threading.Thread(target=call, args=(i, w)) for i in range(3) for w in (64, 128)]  # first calls at once
+for t in threads: t.start()
+for t in threads: t.join()
+report = runtime.report().to_dict()
+print(json.dumps({
+    "at_activate": at_activate,
+    "swapped": swapped,
+    "frames": counters["frames"]["ok"] - frames,
+    "results": {k: v if isinstance(v, str) else bool(torch.allclose(v, eager[int(k.split("-")[1])], atol=1e-5))
+                for k, v in results.items()},
+    "first_calls": [(c["tier"], c["warmup"], c["thread"]) for c in report["first_calls"]],
+    "served": sorted((s["tier"], s["calls"]) for s in report["served"]),
+}))
+"""
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_lazily_loaded_functions_load_at_their_first_call_in_any_thread_and_are_hashed_first(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """KERNELPACK_LOAD=lazy (issue 36): activate() loads one of the two configs' functions; the other loads at its
+    first call, made by 3 threads at once: each call served by tier 2 with eager flex's outputs, one load, no Dynamo
+    frame. A function swapped in the cache after activate() and before its first call is refused at that call,
+    naming its sha256 (the pinned install's guarantee holds for lazy loads): never unpickled, never a compile."""
+    root = str(Path(__file__).parent.parent)
+    env = {"PYTHONPATH": root, "KERNELPACK_LOAD": "lazy"}
+    run = [sys.executable, "-c", LAZY, str(smoke_artifact), str(tmp_path / "cache")]
+    good = run_json([*run, "-"], env=env)
+    assert good["at_activate"] == [["precompiled", True]], good
+    assert good["frames"] == 0 and set(good["results"].values()) == {True}, good
+    (later,) = [c for c in good["first_calls"] if not c[1]]
+    assert later[0] == "precompiled" and later[2] != "MainThread", good  # loaded in one of the job's threads
+    assert good["served"] == [["precompiled", 3], ["precompiled", 3]], good
+    bad = run_json([*run[:-1], str(tmp_path / "fresh"), "swap"], env=env)
+    refused = {k: v for k, v in bad["results"].items() if v is not True}
+    assert sorted(refused) == [f"{i}-{bad['swapped']}" for i in range(3)] and bad["frames"] == 0, bad
+    for why in refused.values():
+        assert "NotWarmedError" in why and "PrecompiledMismatch" in why and "not the manifest's" in why, why

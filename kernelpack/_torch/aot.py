@@ -46,6 +46,16 @@ def unavailable() -> str | None:
     return None
 
 
+def load_unavailable() -> str | None:
+    """Why this torch cannot load a precompiled function, or None; imports nothing past torch (Dynamo costs a
+    second). torch 2.11-2.15: ``torch.compiler.load_compiled_function``."""
+    import torch
+
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function"
+    return None
+
+
 def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "default", dynamic: bool = False) -> Any:
     """``torch.compile(flex_attention, fullgraph=True).aot_compile`` of a call with these (named) arguments, under
     the grad mode of the graph it serves (the loaded function guards on it): q, k, v positional, the rest by name.

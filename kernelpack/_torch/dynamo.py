@@ -351,6 +351,14 @@ def compiled_frame_locals() -> Mapping[str, Any] | None:
     return None
 
 
+def when_imported(hook: Callable[[], None]) -> None:
+    """``hook()`` once Dynamo is imported: now if it is, else right after its import (:mod:`kernelpack._imports`),
+    before anything can compile. torch 2.11-2.15."""
+    from .._imports import after_import
+
+    after_import("torch._dynamo", lambda _: hook())
+
+
 def imported() -> bool:
     """Whether Dynamo is imported in this process (nothing has compiled before it is). Importing it also makes
     inductor's cache dir (``TORCHINDUCTOR_CACHE_DIR``): torch/_dynamo/package.py calls ``cache_dir()`` at import

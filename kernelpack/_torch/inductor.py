@@ -76,6 +76,14 @@ def _stable_repr(value: Any) -> str:
     return f"<{type(value).__qualname__}>" if " at 0x" in text or " object at " in text else text
 
 
+def watch_cpp_builds_when_imported(on_build: Callable[[bool], None]) -> None:
+    """:func:`watch_cpp_builds` once inductor's C++ builder is imported: now if it is, else right after its import
+    (:mod:`kernelpack._imports`), before any C++ build can run. torch 2.11-2.15."""
+    from .._imports import after_import
+
+    after_import("torch._inductor.cpp_builder", lambda _: watch_cpp_builds(on_build))
+
+
 def watch_cpp_builds(on_build: Callable[[bool], None]) -> None:
     """Call ``on_build(compiled)`` before each C++ build inductor runs: ``compiled`` False for the preprocessor runs
     it makes on warm starts too (to hash headers), True for a real kernel compile (it runs only when the .so is
