@@ -183,6 +183,10 @@ def child(
         "warmup_s": rep.warmup_seconds,
         "install_s": activation.install.seconds if activation.install is not None else None,
         "warmup_calls": sum(c.warmup for c in rep.first_calls),
+        # every covered signature's first call: the warm-up's, and the precompiled functions loaded at their first
+        # call in the job's threads or on the autograd engine's (KERNELPACK_LOAD=lazy)
+        "first_calls": len(rep.first_calls),
+        "first_compiled": [c.compiled for c in rep.first_calls if c.compiled],
         "warmup_call_s": [round(c.seconds, 3) for c in rep.first_calls if c.warmup],
         "warmup_compiled": [c.compiled for c in rep.first_calls if c.warmup and c.compiled],
         "first_step_s": first,

@@ -301,6 +301,7 @@ class Warmup:
         # it; one load at a time (torch's code cache is process-wide), never a trace
         self.lazy: dict[CallSignature, tuple[BuiltConfig, str]] = {}
         self.load_lock = threading.Lock()
+        self.unrun: set[CallSignature] = set()  # loaded lazily, not yet called: its first run is the load's
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -427,24 +428,8 @@ def activate(
             threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
         else:
             _warm_up(state, activation)
-        _first_load(state, activation)
     log.info(activation.describe())
     return activation
-
-
-def _first_load(state: _State, activation: Activation) -> None:
-    """For precompiled functions loaded lazily: one first load now, in activate(). The loader's imports (inductor's
-    code cache, the generated code's modules, Triton; on a CPU the vector-ISA probe, 2 s of gcc runs) are paid once,
-    by the first load in the process, whichever function it loads: here, not in the job's first step.
-
-    Not in a background thread while the job builds its model: Dynamo and inductor import each other, and a job
-    thread importing one of them while another thread imports the other deadlocks in the import system, which
-    breaks the cycle with a half-made module (an ImportError of a name in inductor's utils, seen on torch 2.13 when
-    the job read Dynamo's counters in its main thread during such a background import)."""
-    warm = activation.warmup
-    if warm is None or not warm.lazy or warm.background:
-        return
-    _loaded(state, warm, activation, next(iter(warm.lazy)), thread_is_warmup=True)
 
 
 # library -> the kernelpack integration activate() registers when the job has imported that library (never
@@ -521,8 +506,10 @@ def _warm_up(state: _State, activation: Activation) -> None:
                 bm = None  # the canonical call's BlockMask, made only for a signature that is called now
                 for sig in sigs:
                     why = _tier2_why(built, sig, mask_mod, score_mod)
-                    if why is None and lazy:
-                        warm.lazy[sig] = (built, device)  # loaded at its first call (_loaded)
+                    if why is None and lazy and warm.precompiled:
+                        # one function is loaded and called now (what every load imports and initializes is paid
+                        # once, by the first, here); the others load at their first call (_loaded)
+                        warm.lazy[sig] = (built, device)
                         continue
                     if bm is None:
                         with on_device:
@@ -573,15 +560,14 @@ def _tier2_unavailable() -> str | None:
     return precompiled.load_unavailable()
 
 
-def _loaded(
-    state: _State, warm: Warmup, activation: Activation, sig: CallSignature, *, thread_is_warmup: bool = False
-) -> precompiled.Loaded | None:
-    """The precompiled function of ``sig``: loaded already, or now if it loads lazily (at its first call;
-    activate() loads one, :func:`_first_load`). Loading checks the file against the manifest's sha256, unpickles
-    the function and imports its generated code: it traces nothing and waits for no other thread's call, so it is
-    safe in a training thread and on the autograd engine's thread (a reentrant checkpoint's recompute). A function
-    that fails to load serves nothing: its calls are refused, saying why (with KERNELPACK_LOAD=eager the inductor
-    cache serves such a signature, traced at activate())."""
+def _loaded(state: _State, warm: Warmup, activation: Activation, sig: CallSignature) -> precompiled.Loaded | None:
+    """The precompiled function of ``sig``: loaded already, or now if it loads lazily (at its first call; the
+    warm-up loads and calls one, so that what every load imports and initializes is paid there). Loading checks
+    the file against the manifest's sha256, unpickles the function and imports its generated code: it traces
+    nothing and waits for no other thread's call, so it is safe in a training thread and on the autograd engine's
+    thread (a reentrant checkpoint's recompute). A function that fails to load serves nothing: its calls are
+    refused, saying why (with KERNELPACK_LOAD=eager the inductor cache serves such a signature, traced at
+    activate())."""
     loaded = warm.precompiled.get(sig)
     if loaded is not None or sig not in warm.lazy:
         return loaded
@@ -594,7 +580,7 @@ def _loaded(
         entry = built.precompiled_for(sig.device_index or 0, sig.graph)
         assert entry is not None and activation.install is not None
         try:
-            with _measured(_Call("kernelpack load", sig)) as measured:
+            with _measured(_Call(LOAD_PATH, sig)) as measured:
                 loaded = precompiled.load(
                     Path(activation.install.cache_dir, entry.path), built.config.device, entry.sha256
                 )
@@ -604,6 +590,7 @@ def _loaded(
             del warm.lazy[sig]
             log.warning("kernelpack: %s: %s", sig.describe(), why)
             return None
+        warm.unrun.add(sig)
         warm.precompiled[sig] = loaded
         warm.signatures.add(sig)
         del warm.lazy[sig]
@@ -615,7 +602,7 @@ def _loaded(
                 threading.current_thread().name,
                 measured.seconds,
                 measured.counters,
-                warmup=thread_is_warmup,
+                warmup=False,
                 tier="precompiled",
             )
         )
@@ -930,8 +917,15 @@ def _serve(
                     loaded = _loaded(state, warm, active, sig)
             if loaded is not None and _runs_warmed_code(warm, candidate) and loaded.serves(candidate):
                 _count_served(state, sig, arguments, "precompiled")
-                with evidence.tagged(_SERVED):
-                    return loaded(candidate)
+                if sig not in warm.unrun:
+                    with evidence.tagged(_SERVED):
+                        return loaded(candidate)
+                # a lazily loaded function's first run: torch records it as a compile (cache hits only), which is
+                # the load's, whichever thread or candidate makes it
+                with evidence.tagged(_Call(LOAD_PATH, sig)):
+                    out = loaded(candidate)
+                warm.unrun.discard(sig)
+                return out
     # the static graphs first (faster kernels), then the dynamic ones of the artifact's range configs
     options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
     for m, d in options:
@@ -1249,6 +1243,8 @@ class _Call:
 
 
 _SERVED = _Call("kernelpack.flex_attention", None)
+# the path of a precompiled function's load at its signature's first call and of that call (KERNELPACK_LOAD=lazy)
+LOAD_PATH = "kernelpack load"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1256,7 +1252,8 @@ class Observed:
     """What the runtime makes of a compile torch reported (:class:`evidence.CompileRecord`'s ``note``): which code
     path made it, the flex_attention call when it is one, and how it differs from the nearest covered signature."""
 
-    # "kernelpack warm-up", "kernelpack.flex_attention", "torch.compile(flex_attention)", "other compiled code"
+    # "kernelpack warm-up", "kernelpack load", "kernelpack.flex_attention", "torch.compile(flex_attention)",
+    # "other compiled code"
     path: str
     signature: CallSignature | None = None
     covered_by: str | None = None  # the artifact's config that covers the call

@@ -157,14 +157,14 @@ def serve_precompiled() -> bool:
 
 
 def load_precompiled_lazily() -> bool:
-    """``KERNELPACK_LOAD=lazy``: activate() loads one precompiled function (what every load imports is paid once, by
-    the first), and each other one at its signature's first call (loading traces nothing, so any thread may, the
-    autograd engine's included); no canonical call is made for them. Default ``eager``: activate() loads every
-    precompiled function it serves and makes its canonical call, serving one that fails to load from the inductor
-    cache (traced then). Not the default yet: the report then counts lazily loaded functions as the job's first
-    calls, not the warm-up's (issue 36)."""
+    """``KERNELPACK_LOAD``: ``lazy`` (the default): activate()'s warm-up loads and calls one precompiled function
+    (what every load imports and initializes is paid once, by the first), and each other one loads at its
+    signature's first call (loading traces nothing, so any thread may, the autograd engine's included): start-up
+    grows with what the job calls, not with the artifact (issue 36). ``eager``: the warm-up loads and calls every
+    one, and a signature whose function fails to load is served by the inductor cache (traced then) instead of
+    refused at its first call."""
     raw = os.environ.get("KERNELPACK_LOAD", "")
-    value = raw.strip().lower() or "eager"
+    value = raw.strip().lower() or "lazy"
     if value not in ("lazy", "eager"):
         raise SettingError("KERNELPACK_LOAD", raw, "lazy or eager")
     return value == "lazy"

@@ -95,7 +95,9 @@ def test_threads_with_gradient_checkpointing_compile_nothing_and_never_hang(gpu_
     non-reentrant mode deadlocked (a first call's make_fx waited for the autograd engine thread, which ran another
     thread's recompute waiting at the gate); each run is a fresh process bounded by 120 s."""
     for r in _checkpoint_runs(gpu_artifact, ("nonreentrant", "reentrant", "both"), tmp_path):
-        assert r["warmup_calls"] == 2 * r["configs"] and r["warmup_compiled"] == []
+        # the warm-up loads and calls one precompiled function; the others load at their first call, some on the
+        # autograd engine's thread in a reentrant recompute (KERNELPACK_LOAD=lazy): each signature once, none compiled
+        assert r["warmup_calls"] >= 1 and r["first_calls"] == 2 * r["configs"] and r["first_compiled"] == [], r
 
 
 def _checkpoint_runs(
@@ -310,7 +312,9 @@ def test_a_transformers_model_trains_through_kernelpack_and_in_checkpointed_thre
     assert built.artifact is not None and not built.failed, text
     out = scenario("transformers_training", built.artifact, tmp_path)
     assert out["compiled_in_step"] == [] and out["missed"] == 0 and out["refused"] == [], out
-    assert out["paths"] == ["kernelpack warm-up"], out  # no mask-builder graph, no compile of the model's own
+    # kernelpack's own only (the warm-up's, and a precompiled function's load at its first call): no mask-builder
+    # graph, no compile of the model's own
+    assert "kernelpack warm-up" in out["paths"] and set(out["paths"]) <= {"kernelpack warm-up", "kernelpack load"}, out
     assert out["query_stride"] == [256 * 64, 16, 64, 1], out  # transformers' transposed view reached kernelpack
     assert out["lse"] == ["torch.bfloat16", [1, 4, 256]] and out["lse_rel"] < 2e-2, out
     loss, ref_loss = out["loss"]

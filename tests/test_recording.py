@@ -281,7 +281,8 @@ def test_a_users_block_recorded_from_its_script_builds_and_replays_with_no_miss(
     for mode in ("block", "own"):
         out = _replay(built.artifact, mode, tmp_path)
         assert out["missed"] == 0 and out["refused"] == [], out
-        assert set(out["paths"]) <= {"kernelpack warm-up", "torch.compile(flex_attention)"}, out
+        # kernelpack's own: the warm-up's, a precompiled function's load at its first call (KERNELPACK_LOAD=lazy)
+        assert set(out["paths"]) <= {"kernelpack warm-up", "kernelpack load", "torch.compile(flex_attention)"}, out
 
 
 def test_a_transformers_model_recorded_from_its_script_builds_and_replays_with_no_miss(

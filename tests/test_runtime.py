@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -37,10 +38,11 @@ def test_four_threads_after_the_warm_up_compile_nothing_20_times(
     assert len(out["rounds"]) == 20
     for r in out["rounds"]:
         assert r["errors"] == [] and r["alive"] == 0
-        # activate() made every first call, by loading the precompiled functions or served from the cache; the
-        # threads' calls (grad mode on, inputs that need no grad) are made under no_grad like the warm-up's, so they
-        # are served by what it warmed
-        assert r["first_calls"] == r["warmup_calls"] == out["configs"] and r["compiled"] == 0
+        # activate() made every first call from the cache, or loaded and called one precompiled function, the
+        # others loading at their first call (KERNELPACK_LOAD=lazy); the threads' calls (grad mode on, inputs that
+        # need no grad) are made under no_grad like the warm-up's, so they are served by what it warmed or loaded
+        warmed = 1 if tier == "precompiled" else out["configs"]
+        assert r["first_calls"] == out["configs"] and r["warmup_calls"] == warmed and r["compiled"] == 0
         assert r["tiers"] == [tier] * out["configs"] and r["served"] == {tier: 4 * out["configs"]}, r
         assert r["fx_hits"] == (out["configs"] if tier == "inductor-cache" else 0)
 
@@ -135,7 +137,8 @@ def test_after_the_warm_up_calls_that_would_trace_are_refused_and_explained(
     assert out["frames_compiled_by_kernelpack"] == 0
     assert out["compiled"] == 0 and len(out["refused"]) == 6 and "6 calls refused" in out["summary"]
     assert out["refused"][0].startswith("the artifact does not cover it") and "warmed it" in out["refused"][1]
-    assert out["first_calls"] == [[True, "fwd"], [True, "fwd"]]  # the warm-up's, one per covered signature
+    # the warm-up's (one precompiled function loaded and called), then any loaded at a served call's first call
+    assert out["first_calls"][0] == [True, "fwd"] and all(not w for w, _ in out["first_calls"][1:]), out
 
 
 def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -145,8 +148,10 @@ def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact
     out = scenario("background", smoke_artifact, tmp_path)
     assert out["errors"] == [] and out["compiled"] == 0
     assert out["done_at_return"] is False
-    assert [w for w, _ in out["first_calls"]] == [True, True]
-    assert {t for _, t in out["first_calls"]} == {"kernelpack-warmup"}
+    # the warm-up loads and calls one precompiled function in its thread; the other loads at its first call, in
+    # one of the job's threads (KERNELPACK_LOAD=lazy)
+    assert [w for w, _ in out["first_calls"]] == [True, False], out
+    assert out["first_calls"][0][1] == "kernelpack-warmup" and out["first_calls"][1][1] != "MainThread", out
 
 
 def test_a_call_waits_for_a_background_warm_up_only_so_long(
@@ -395,7 +400,7 @@ def test_settings_that_enter_inductors_keys_are_checked_at_activate(smoke_artifa
     assert "inductor.max_autotune: built with False, here True" in out["strict"], out["strict"]
     assert "cpu_threads: built with " in out["strict"] and "\nhint: set them as the builder had them" in out["strict"]
     assert len(out["warnings"]) == 1 and "inductor.max_autotune" in out["warnings"][0]
-    assert out["summary"].startswith("0 of 2 compiles missed"), out["summary"]
+    assert re.match(r"0 of [12] compiles missed", out["summary"]), out["summary"]
 
 
 DECLARED_RECIPE = """
