@@ -4,8 +4,8 @@ kernelpack watches torch's compilers (Dynamo's per-compile metrics, inductor's C
 raises Dynamo's recompile limit. Importing Dynamo and inductor to do that costs a job's start 1.5-3.5 s (issue 36),
 and nothing can compile before they are imported: so each hook attaches the moment its module finishes importing, in
 the importing thread, before any code can use it (PEP 369's post-import hooks; wrapt's ``register_post_import_hook``
-works the same way). :func:`run_pending` runs the hooks of modules that another thread had half-imported when the
-hook was registered (they are past the finder); activate()'s preparation thread calls it after its own imports.
+works the same way). One case is not hooked: a module that another thread is importing at the moment the hook is
+registered (past the finder); its compiles are still counted by torch, and report() says what it saw no record of.
 """
 
 from __future__ import annotations
@@ -37,16 +37,6 @@ def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
                 sys.meta_path.insert(0, _Finder())
     if ready:
         hook(module)  # type: ignore[arg-type]  # in the caller's thread: its error is the caller's
-
-
-def run_pending() -> None:
-    """The hooks of every module imported by now whose hook has not run (see the module docstring)."""
-    with _lock:
-        done = [n for n, m in list(sys.modules.items()) if n in _hooks and m is not None and not _initializing(m)]
-        ready = [(sys.modules[n], _hooks.pop(n)) for n in done]
-    for module, hooks in ready:
-        for hook in hooks:
-            _call(hook, module)
 
 
 def _initializing(module: ModuleType) -> bool:

@@ -297,9 +297,9 @@ class Warmup:
         self.precompiled: dict[CallSignature, precompiled.Loaded] = {}
         self.tier1_why: dict[CallSignature, str] = {}
         self.mods: list[Any] = []  # every warmed mask_mod and score_mod: the code tier 2 may run (_runs_warmed_code)
-        # tier 2, loaded lazily (KERNELPACK_LOAD=lazy): signature -> (its config, device), until its first call loads
+        # tier 2, loaded lazily (KERNELPACK_LOAD=lazy): signature -> its config, until its first call loads
         # it; one load at a time (torch's code cache is process-wide), never a trace
-        self.lazy: dict[CallSignature, tuple[BuiltConfig, str]] = {}
+        self.lazy: dict[CallSignature, BuiltConfig] = {}
         self.load_lock = threading.Lock()
         self.unrun: set[CallSignature] = set()  # loaded lazily, not yet called: its first run is the load's
 
@@ -509,7 +509,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
                     if why is None and lazy and warm.precompiled:
                         # one function is loaded and called now (what every load imports and initializes is paid
                         # once, by the first, here); the others load at their first call (_loaded)
-                        warm.lazy[sig] = (built, device)
+                        warm.lazy[sig] = built
                         continue
                     if bm is None:
                         with on_device:
@@ -573,10 +573,9 @@ def _loaded(state: _State, warm: Warmup, activation: Activation, sig: CallSignat
         return loaded
     with warm.load_lock:  # one load at a time: torch's code cache is process-wide
         loaded = warm.precompiled.get(sig)
-        spec = warm.lazy.get(sig)
-        if loaded is not None or spec is None:
+        built = warm.lazy.get(sig)
+        if loaded is not None or built is None:
             return loaded
-        built = spec[0]
         entry = built.precompiled_for(sig.device_index or 0, sig.graph)
         assert entry is not None and activation.install is not None
         try:

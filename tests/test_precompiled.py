@@ -369,7 +369,7 @@ activation = runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
 at_activate = [(c.tier, c.warmup) for c in runtime.report().first_calls]
 swapped = None
 if sys.argv[3] == "swap":  # a function not loaded yet, swapped for other bytes after activate(), before its first call
-    sig, (built, _) = next(iter(activation.warmup.lazy.items()))
+    sig, built = next(iter(activation.warmup.lazy.items()))
     swapped = built.config.window
     path = activation.install.cache_dir + "/" + built.precompiled_for(sig.device_index or 0, sig.graph).path
     data = bytearray(open(path, "rb").read())

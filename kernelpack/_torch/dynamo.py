@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._imports import after_import
 from . import unsupported
 
 # ------------------------------------------------------------------------------------------------ cache entries
@@ -354,8 +355,6 @@ def compiled_frame_locals() -> Mapping[str, Any] | None:
 def when_imported(hook: Callable[[], None]) -> None:
     """``hook()`` once Dynamo is imported: now if it is, else right after its import (:mod:`kernelpack._imports`),
     before anything can compile. torch 2.11-2.15."""
-    from .._imports import after_import
-
     after_import("torch._dynamo", lambda _: hook())
 
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._imports import after_import
 from . import unsupported
 
 # How a user sets an inductor config value, for hints that ask for one
@@ -79,8 +80,6 @@ def _stable_repr(value: Any) -> str:
 def watch_cpp_builds_when_imported(on_build: Callable[[bool], None]) -> None:
     """:func:`watch_cpp_builds` once inductor's C++ builder is imported: now if it is, else right after its import
     (:mod:`kernelpack._imports`), before any C++ build can run. torch 2.11-2.15."""
-    from .._imports import after_import
-
     after_import("torch._inductor.cpp_builder", lambda _: watch_cpp_builds(on_build))
 
 
