@@ -239,14 +239,11 @@ def eager_block_mask(
     return block_mask_of((torch.cat(partial, dim=2), full_blocks), mask_mod, (q_len, kv_len), q_block, kv_block)
 
 
-def block_mask_for(config: Config, device: str | Any) -> BlockMask:
-    """The BlockMask of a recipe point: its mask, block size and B/H (``[call] mask_dims``)."""
-    mask_mod = mask_for(config, device)
-    return block_mask(mask_mod, config.q_len, config.kv_len, device, **block_mask_dims(config, mask_mod))
-
-
-def block_mask_dims(config: Config, mask_mod: MaskMod) -> dict[str, Any]:
-    """:func:`block_mask`'s batch, heads and block size for ``mask_mod`` (the config's mask) at a recipe point."""
+def block_mask_for(config: Config, device: str | Any, mask_mod: MaskMod | None = None) -> BlockMask:
+    """The BlockMask of a recipe point: its mask (``mask_mod``: the one :func:`mask_for` made already), block size
+    and B/H (``[call] mask_dims``)."""
+    if mask_mod is None:
+        mask_mod = mask_for(config, device)
     dims = config.mask_dims.split("+")
     for attr, dim in (("per_batch", "per-batch"), ("per_head", "per-head")):
         if getattr(mask_mod, attr, False) and dim not in dims and _dim_size(config, dim) > 1:
@@ -257,11 +254,15 @@ def block_mask_dims(config: Config, mask_mod: MaskMod) -> dict[str, Any]:
             )
     per_batch = "per-batch" in dims or getattr(mask_mod, "per_batch", False)
     per_head = "per-head" in dims or getattr(mask_mod, "per_head", False)
-    return {
-        "batch": config.batch if per_batch else None,
-        "heads": config.q_heads if per_head else None,
-        "block_size": config.block_size,
-    }
+    return block_mask(
+        mask_mod,
+        config.q_len,
+        config.kv_len,
+        device,
+        batch=config.batch if per_batch else None,
+        heads=config.q_heads if per_head else None,
+        block_size=config.block_size,
+    )
 
 
 def _dim_size(config: Config, dim: str) -> int:

@@ -70,7 +70,7 @@ from .compiled import (
 )
 from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
 from .installer import InstallResult, check_cache_dir, install_artifact, resolve_cache_dir
-from .masks import block_mask, block_mask_dims, mask_for, score_mod_for
+from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
@@ -513,9 +513,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
                         continue
                     if bm is None:
                         with on_device:
-                            bm = block_mask(
-                                mask_mod, config.q_len, config.kv_len, device, **block_mask_dims(config, mask_mod)
-                            )
+                            bm = block_mask_for(config, device, mask_mod)
                     if why is not None:
                         warm.tier1_why[sig] = why
                     elif _load_precompiled(state, warm, activation, built, sig, device, bm):
@@ -593,18 +591,7 @@ def _loaded(state: _State, warm: Warmup, activation: Activation, sig: CallSignat
         warm.precompiled[sig] = loaded
         warm.signatures.add(sig)
         del warm.lazy[sig]
-    with state.lock:
-        state.first_calls.append(
-            FirstCall(
-                sig,
-                built.config.id,
-                threading.current_thread().name,
-                measured.seconds,
-                measured.counters,
-                warmup=False,
-                tier="precompiled",
-            )
-        )
+    _record_first_call(state, sig, built.config.id, measured, warmup=False, tier="precompiled")
     return loaded
 
 
@@ -654,18 +641,7 @@ def _load_precompiled(
         return False
     warm.precompiled[sig] = loaded
     warm.signatures.add(sig)
-    with state.lock:
-        state.first_calls.append(
-            FirstCall(
-                sig,
-                config.id,
-                threading.current_thread().name,
-                measured.seconds,
-                measured.counters,
-                warmup=True,
-                tier="precompiled",
-            )
-        )
+    _record_first_call(state, sig, config.id, measured, warmup=True, tier="precompiled")
     return True
 
 
@@ -685,9 +661,18 @@ def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignatur
             # the entry Dynamo now serves this call from (None: none passes, it would trace again)
             warm.entries[sig] = serving_entry(canonical_arguments(config, inputs, bm), config.mode, config.dynamic)
     warm.signatures.add(sig)
+    _record_first_call(state, sig, config.id, measured, warmup=True, tier="inductor-cache")
+
+
+def _record_first_call(
+    state: _State, sig: CallSignature, config_id: str | None, measured: _Measured, *, warmup: bool, tier: str
+) -> None:
+    """A first call made in this thread: the warm-up's, a lazy load's, or one at the gate."""
     with state.lock:
         state.first_calls.append(
-            FirstCall(sig, config.id, threading.current_thread().name, measured.seconds, measured.counters, True)
+            FirstCall(
+                sig, config_id, threading.current_thread().name, measured.seconds, measured.counters, warmup, tier
+            )
         )
 
 
