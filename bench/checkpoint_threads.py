@@ -186,6 +186,8 @@ def child(
         # every covered signature's first call: the warm-up's, and the precompiled functions loaded at their first
         # call in the job's threads or on the autograd engine's (KERNELPACK_LOAD=lazy)
         "first_calls": len(rep.first_calls),
+        "first_call_signatures": [c.signature.describe() for c in rep.first_calls],
+        "first_call_graphs": [[c.warmup, c.signature.graph] for c in rep.first_calls],
         "first_compiled": [c.compiled for c in rep.first_calls if c.compiled],
         "warmup_call_s": [round(c.seconds, 3) for c in rep.first_calls if c.warmup],
         "warmup_compiled": [c.compiled for c in rep.first_calls if c.warmup and c.compiled],
@@ -198,7 +200,9 @@ def child(
         "during_steps": {k: v for k, v in during.items() if v},
         "compiled_during_steps": evidence.compiled_anything(during),
         # torch's own record of each compile during the steps (a re-trace served from the cache shows here too)
-        "compiles_during_steps": [{**evidence.fields_of(r), "note": r.note} for r in evidence.compile_records(mark)],
+        "compiles_during_steps": [
+            {**evidence.fields_of(r), "path": getattr(r.note, "path", None)} for r in evidence.compile_records(mark)
+        ],
         "activation": activation.describe(),
         "lengths": sorted(lengths_seen),
         "devices": sorted({device_of(i) for i in range(n)}),

@@ -31,6 +31,7 @@ kernelpack's entry (and the transformers integration through it) as it is made, 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import logging
@@ -46,10 +47,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from . import evidence, functions, precompiled, settings
+from ._imports import importing_alone
 from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
 from ._torch.dynamo import when_imported as when_dynamo_imported
-from ._torch.inductor import CONFIG_HINT, compile_workers
+from ._torch.inductor import CONFIG_HINT, compile_workers, import_compiler, inductor_torch_key
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -68,7 +70,14 @@ from .compiled import (
     trace_settings,
     wait_for_foreign_fx_trace,
 )
-from .errors import DEVICE_HINT, KernelpackError, KernelpackWarning, NotPrecompiledError, NotWarmedError
+from .errors import (
+    DEVICE_HINT,
+    KernelpackError,
+    KernelpackWarning,
+    KeyMismatchError,
+    NotPrecompiledError,
+    NotWarmedError,
+)
 from .installer import InstallResult, check_cache_dir, install_artifact, resolve_cache_dir
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
@@ -413,7 +422,9 @@ def activate(
             allow_mismatch=allow_mismatch,
             device_index=device_index,
         )
-        _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
+        if warmup != "background":
+            # reading inductor's and functorch's config imports Dynamo: a background start reads them in its thread
+            _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
         warm = Warmup(background=warmup == "background") if warmup else None
         dynamic_modes = frozenset(c.config.mode for c in result.manifest.configs if c.config.q_range is not None)
         activation = Activation(
@@ -425,7 +436,15 @@ def activate(
     _register_integrations()
     if activation.warmup is not None:
         if activation.warmup.background:
-            threading.Thread(target=_warm_up, args=(state, activation), name="kernelpack-warmup", daemon=True).start()
+            # in a copy of this thread's context: from torch 2.13 a config value the job set (torch._inductor.config.X
+            # = ...) is a ContextVar override, which a new thread does not see (measured: CPU, torch 2.13 and 2.15;
+            # 2.11's is process-wide), and the warm-up must read and compile under the job's settings
+            threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(_start_in_background, state, activation, allow_mismatch),
+                name="kernelpack-warmup",
+                daemon=True,
+            ).start()
         else:
             _warm_up(state, activation)
     log.info(activation.describe())
@@ -459,6 +478,34 @@ def deactivate() -> None:
     global _state
     _state = _State()
     evidence.set_refuse_dense(False)
+
+
+# What a background start imports in its thread while the job's threads wait before importing any of it (kernelpack.
+# _imports.importing_alone says why): torch's compiler stack and the libraries it imports on the way
+_COMPILER_STACK = ("torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "numpy")
+
+
+def _start_in_background(state: _State, activation: Activation, allow_mismatch: bool) -> None:
+    """``activate(warmup="background")``'s thread: what activate() leaves to it because it imports Dynamo and
+    inductor (1.5-5 s of a job's start, issue 36), while the job builds its model; then the warm-up. The job's
+    threads wait for these imports (:func:`kernelpack._imports.importing_alone`) and every guarded call for the
+    warm-up; an error here is raised by each guarded call."""
+    warm, manifest = activation.warmup, activation.manifest
+    assert warm is not None and manifest is not None
+    with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
+        try:
+            import_compiler()
+            # activate() checked the artifact's torch_key against kernelpack's reading of it; inductor's own
+            # decides what hits
+            here = inductor_torch_key()
+            if here != manifest.build_key.torch_key and not allow_mismatch:
+                raise KeyMismatchError(str(activation.artifact), [("torch_key", manifest.build_key.torch_key, here)])
+            _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
+        except BaseException as e:
+            warm.error = e
+            warm.done.set()
+            return
+        _warm_up(state, activation)
 
 
 def _warm_up(state: _State, activation: Activation) -> None:
@@ -776,6 +823,11 @@ flex_attention = guarded()
 def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     import torch
 
+    warm = _state.active.warmup if _state.active is not None else None
+    if warm is not None and not warm.done.is_set():
+        # a background start first: a thread started after activate() is not held at its imports, and this path
+        # imports parts of torch (kernelpack._imports.importing_alone)
+        warm.wait()
     apply_thread_config()
     evidence.ensure_watching()
     query = arguments["query"]

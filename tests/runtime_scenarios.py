@@ -335,12 +335,21 @@ def not_warmed(artifact: str, cache: str) -> dict[str, Any]:
 
 
 def background(artifact: str, cache: str) -> dict[str, Any]:
-    """activate(warmup="background") returns at once; 3 threads call at once and wait for it, then are served."""
+    """activate(warmup="background") returns at once, having imported neither Dynamo nor inductor: its thread
+    imports them while this one imports inductor's internals as a job's model code might (the cross-thread import
+    cycle kernelpack._imports.importing_alone prevents); 3 threads call at once and wait for it, then are served."""
+    from kernelpack import _imports
+
+    imported_by: dict[str, str] = {}
+    for name in ("torch._dynamo", "torch._inductor.codecache"):
+        _imports.after_import(name, lambda m: imported_by.setdefault(m.__name__, threading.current_thread().name))
     t0 = time.perf_counter()
     activation = runtime.activate(artifact, cache_dir=cache, warmup="background")
     returned = time.perf_counter() - t0
     assert activation.warmup is not None
     done_at_return = activation.warmup.done.is_set()
+    from torch._inductor.utils import IndentedBuffer  # noqa: F401  (failed beside a background inductor import)
+
     errors: list[str] = []
 
     def worker() -> None:
@@ -359,6 +368,8 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     return {
         "returned": returned,
         "done_at_return": done_at_return,
+        "imported_by": imported_by,
+        "install": activation.install is not None,
         "warmup_seconds": rep.warmup_seconds,
         "errors": errors,
         "first_calls": [(f.warmup, f.thread) for f in rep.first_calls],
@@ -525,6 +536,13 @@ def key_settings(artifact: str, cache: str) -> dict[str, Any]:
         out["strict"] = "activated"
     except KernelpackError as e:
         out["strict"] = str(e)
+    # a background start reads the settings in its thread (reading them imports Dynamo): its first call refuses
+    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    try:
+        call(configs(artifact)[0])
+        out["background"] = "served"
+    except KernelpackError as e:
+        out["background"] = f"{e}\n{e.__cause__}"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
@@ -865,11 +883,14 @@ class _Engine:
 
 def background_timeout(artifact: str, cache: str) -> dict[str, Any]:
     """A call that waits longer than KERNELPACK_WARMUP_WAIT_SECONDS (set to 0.01 by the test) for a background
-    warm-up raises instead of waiting on; after the warm-up the same call is served."""
-    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    warm-up raises instead of waiting on; after the warm-up the same call is served. Its inputs are made first: an
+    import of torch's (its BlockMask's) would wait for the background start's imports instead, and then import
+    beside them (kernelpack._imports.importing_alone)."""
     c = configs(artifact)[0]
+    inputs, bm = make_inputs(c, "cpu"), block_mask_for(c, "cpu")
+    runtime.activate(artifact, cache_dir=cache, warmup="background")
     try:
-        call(c)
+        runtime.flex_attention(*inputs, block_mask=bm)
         early = "served"
     except KernelpackError as e:
         early = f"{e} | {e.hint}"

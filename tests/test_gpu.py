@@ -96,8 +96,15 @@ def test_threads_with_gradient_checkpointing_compile_nothing_and_never_hang(gpu_
     thread's recompute waiting at the gate); each run is a fresh process bounded by 120 s."""
     for r in _checkpoint_runs(gpu_artifact, ("nonreentrant", "reentrant", "both"), tmp_path):
         # the warm-up loads and calls one precompiled function; the others load at their first call, some on the
-        # autograd engine's thread in a reentrant recompute (KERNELPACK_LOAD=lazy): each signature once, none compiled
-        assert r["warmup_calls"] >= 1 and r["first_calls"] == 2 * r["configs"] and r["first_compiled"] == [], r
+        # autograd engine's thread in a reentrant recompute (KERNELPACK_LOAD=lazy): each signature once, none
+        # compiled. Reentrant checkpointing calls both graphs of every config (its forward runs under no_grad);
+        # without it only fwd+bwd is called, so the warm-up's plus those
+        sigs = r["first_call_signatures"]
+        assert r["warmup_calls"] >= 1 and len(set(sigs)) == len(sigs) and r["first_compiled"] == [], r
+        graphs = [g for _, g in r["first_call_graphs"]]
+        warm_fwd = sum(w and g == "fwd" for w, g in r["first_call_graphs"])
+        assert graphs.count("fwd+bwd") == r["configs"], r
+        assert graphs.count("fwd") == (warm_fwd if r["mode"] == "nonreentrant" else r["configs"]), r
 
 
 def _checkpoint_runs(

@@ -279,3 +279,22 @@ print(json.dumps({"before": before, "workers": workers, "started": started, "dyn
 def test_the_compile_pool_is_read_without_starting_it() -> None:
     out = run_json([sys.executable, "-c", POOL])
     assert out == {"before": [0, False], "workers": 0, "started": 0, "dynamo": True}, out
+
+
+TORCH_KEY = """
+import json, sys
+import torch
+from kernelpack._torch import inductor
+ours = inductor.torch_key()
+before = "torch._inductor.codecache" in sys.modules or "torch._dynamo" in sys.modules
+print(json.dumps({"ours": ours, "imported_inductor": before, "torch": inductor.inductor_torch_key(),
+                  "after": inductor.torch_key()}))
+"""
+
+
+def test_torch_key_is_read_as_inductor_computes_it_without_importing_inductor() -> None:
+    """Issue 36: activate() checks the artifact's torch_key before Dynamo and inductor are imported (1.5-5 s of a
+    job's start); kernelpack's reading must be inductor's on every torch version, or every artifact is refused."""
+    out = run_json([sys.executable, "-c", TORCH_KEY])
+    assert out["imported_inductor"] is False, out
+    assert len(out["ours"]) == 64 and out["ours"] == out["torch"] == out["after"], out

@@ -20,10 +20,74 @@ CONFIG_HINT = "torch._inductor.config.X = ..."
 
 def torch_key() -> str:
     """Inductor's hash of torch's sources and version, hex (in every FX-graph key: a locally patched torch with the
-    same commit gets another). torch 2.11-2.15: ``torch._inductor.codecache.torch_key``."""
+    same commit gets another). Computed here as inductor computes it (:func:`_source_key`), without importing
+    inductor: that import is Dynamo's too, 1.5-5 s of a job's start, and a background start defers it to its
+    thread (issue 36). Once inductor's code cache is imported, its own value. ``inductor_torch_key`` is torch's,
+    for the check that both agree (the warm-up, and a test on every torch version)."""
+    if "torch._inductor.codecache" in sys.modules:
+        return inductor_torch_key()
+    return _source_key()
+
+
+def import_compiler() -> None:
+    """Import what every compile and every precompiled load imports first: Dynamo and inductor's code cache (the
+    rest, lowering and kernel templates, a precompiled function's first load imports). torch 2.11-2.15."""
+    import torch._dynamo
+    import torch._inductor.codecache  # noqa: F401
+
+
+def inductor_torch_key() -> str:
+    """torch 2.11-2.15: ``torch._inductor.codecache.torch_key`` (computed once per process)."""
     from torch._inductor.codecache import torch_key as key
 
     return key().hex()  # type: ignore[no-any-return]
+
+
+# The files besides torch's modules that torch_key hashes (codecache.torch_key's extra_files), by the torch minor that
+# added them: 2.14 added codegen/aoti_runtime/streams.h (in 2.11-2.13 that file is not hashed, even where it exists)
+_EXTRA_FILES = (
+    ((2, 11), "codegen/aoti_runtime/interface.cpp"),
+    ((2, 14), "codegen/aoti_runtime/streams.h"),
+    ((2, 11), "script.ld"),
+)
+
+
+@functools.cache
+def _source_key() -> str:
+    """torch 2.11-2.15's ``torch_key`` (OSS build): sha256 over torch's version, then every module of the torch
+    package in ``pkgutil`` order (its name and its source bytes, packages recursively; ``build_code_hash``), then
+    the extra files. About 0.15 s (2,000 files)."""
+    import hashlib
+    import os
+
+    import torch
+
+    root = os.path.dirname(torch.__file__)
+    hasher = hashlib.sha256()
+    hasher.update(torch.__version__.encode("utf-8"))
+    _hash_modules([root], "", hasher)
+    minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    for since, rel in _EXTRA_FILES:
+        path = os.path.join(root, "_inductor", rel)
+        if minor >= since and os.path.exists(path):
+            with open(path, "rb") as f:
+                hasher.update(f.read())
+    return hasher.hexdigest()
+
+
+def _hash_modules(roots: list[str], prefix: str, hasher: Any) -> None:
+    """torch 2.11-2.15: ``torch._inductor.codecache.build_code_hash``."""
+    import pkgutil
+
+    for lib in sorted(pkgutil.iter_modules(roots, prefix), key=lambda x: x.name):
+        spec = lib.module_finder.find_spec(lib.name, None)  # type: ignore[call-arg]
+        if spec is None or spec.origin is None:
+            raise unsupported(f"torch._inductor.codecache.torch_key over a module without a source file ({lib.name})")
+        with open(spec.origin, "rb") as f:
+            hasher.update(spec.name.encode("utf-8"))
+            hasher.update(f.read())
+        if lib.ispkg:
+            _hash_modules(list(spec.submodule_search_locations or ()), f"{spec.name}.", hasher)
 
 
 def default_cache_dir() -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import threading
 import time
 
@@ -25,6 +26,7 @@ ap.add_argument("--device", default="cpu")
 ap.add_argument("--train", action="store_true")
 ap.add_argument("--artifact")
 ap.add_argument("--cache")
+ap.add_argument("--background", action="store_true", help='activate(warmup="background")')
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
 ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
@@ -46,9 +48,11 @@ start = time.perf_counter()
 if args.mega_load:
     with open(args.mega_load, "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
-activation = runtime.activate(args.artifact, cache_dir=args.cache) if args.artifact else None
+warmup = "background" if args.background else True
+activation = runtime.activate(args.artifact, cache_dir=args.cache, warmup=warmup) if args.artifact else None
 activated = time.perf_counter() - start
-frames_before = torch._dynamo.utils.counters["frames"]["ok"]
+# nothing has compiled before Dynamo is imported (a background start imports it in its own thread)
+frames_before = torch._dynamo.utils.counters["frames"]["ok"] if "torch._dynamo" in sys.modules else 0
 dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
 masks = None
 if args.mask == "specforge":  # SpecForge's own DFlash mask builder, as its trainer calls it (pip install specforge)
