@@ -810,7 +810,10 @@ def transformers_training(artifact: str, cache: str) -> dict[str, Any]:
 
     mark = evidence.next_seq()
     loss, grads = train_step("kernelpack")
-    compiled = [r.code for r in evidence.compile_records(mark)]
+    # what compiled in the step; a precompiled function's first run (loaded at its first call, KERNELPACK_LOAD=lazy)
+    # is one of torch's compile records too, with cache hits only: not a compile
+    compiled = [r.code or "?" for r in evidence.compile_records(mark) if r.missed or r.failed]
+    loads = [r for r in evidence.compile_records(mark) if getattr(r.note, "path", None) == runtime.LOAD_PATH]
     rep = runtime.report()
     runtime.deactivate()  # transformers' own flex path compiles: the reference, not what is measured
     ref_loss, ref_grads = train_step("flex_attention")
@@ -822,6 +825,7 @@ def transformers_training(artifact: str, cache: str) -> dict[str, Any]:
 
     return {
         "compiled_in_step": compiled,
+        "loads_in_step": len(loads),
         "missed": len(rep.misses),
         "refused": [why for _, why in rep.refused],
         "paths": sorted({r["path"] for r in rep.to_dict()["compiles"]}),
