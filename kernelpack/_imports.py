@@ -10,7 +10,7 @@ registered (past the finder); its compiles are still counted by torch, and repor
 A background start imports Dynamo and inductor in its own thread while the job's main thread builds its model. Two
 threads importing torch's compiler stack at once deadlock on Python's per-module import locks, and Python breaks
 the cycle by handing one of them a partly initialized module: ``ImportError: cannot import name 'IndentedBuffer'
-from partially initialized module 'torch._inductor.utils'`` (measured: CPU, torch 2.13, a background inductor import
+from partially initialized module`` (inductor's utils module; measured: CPU, torch 2.13, a background inductor import
 while the main thread imported Dynamo). :func:`importing_alone` makes the other threads wait before such an import
 instead, until the background thread's imports are done.
 """
@@ -196,7 +196,7 @@ def _gated_start(self: threading.Thread) -> None:
 
 
 def _gated_import_module(name: str, package: str | None = None) -> ModuleType:
-    # torch's lazy submodules (``torch._dynamo`` as an attribute) are imported through importlib.import_module,
+    # torch's lazy submodules (Dynamo's, as an attribute of torch) are imported through importlib.import_module,
     # which does not call builtins.__import__
     alone = _alone
     if alone is not None:

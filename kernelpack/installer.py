@@ -215,7 +215,7 @@ def _install(
     manifest = art.read_manifest(path)
     lap("manifest")
     built = manifest.build_key
-    mismatches = differences(built, probe(built.device_type, device_index))
+    mismatches = differences(built, probe(built.device_type, device_index, expected_torch_key=built.torch_key))
     lap("probe")
     if mismatches and not allow_mismatch:
         raise KeyMismatchError(path, mismatches)

@@ -106,8 +106,10 @@ def differences(built: BuildKey, here: BuildKey, *, every_field: bool = False) -
     return diffs
 
 
-def probe(device_type: str, device_index: int = 0) -> BuildKey:
-    """The build key of this process for ``device_type`` ("cuda" or "cpu"). Imports torch; CUDA is initialized."""
+def probe(device_type: str, device_index: int = 0, *, expected_torch_key: str | None = None) -> BuildKey:
+    """The build key of this process for ``device_type`` ("cuda" or "cpu"). Imports torch; CUDA is initialized.
+    ``expected_torch_key`` (the artifact's): a torch_key that differs from it is inductor's own, not kernelpack's
+    reading of torch's sources (:func:`kernelpack._torch.inductor.torch_key`)."""
     import os
 
     import torch
@@ -129,7 +131,7 @@ def probe(device_type: str, device_index: int = 0) -> BuildKey:
     return BuildKey(
         torch_version=torch.__version__,
         torch_git=torch.version.git_version or NONE,
-        torch_key=torch_key(),
+        torch_key=torch_key(expected_torch_key),
         cuda=torch.version.cuda or NONE,
         triton=triton_version,
         python=f"{sys.version_info.major}.{sys.version_info.minor}",

@@ -436,8 +436,8 @@ def activate(
     _register_integrations()
     if activation.warmup is not None:
         if activation.warmup.background:
-            # in a copy of this thread's context: from torch 2.13 a config value the job set (torch._inductor.config.X
-            # = ...) is a ContextVar override, which a new thread does not see (measured: CPU, torch 2.13 and 2.15;
+            # in a copy of this thread's context: from torch 2.13 an inductor config value the job set (CONFIG_HINT)
+            # is a ContextVar override, which a new thread does not see (measured: CPU, torch 2.13 and 2.15;
             # 2.11's is process-wide), and the warm-up must read and compile under the job's settings
             threading.Thread(
                 target=contextvars.copy_context().run,

@@ -285,16 +285,30 @@ TORCH_KEY = """
 import json, sys
 import torch
 from kernelpack._torch import inductor
-ours = inductor.torch_key()
+ours = inductor.torch_key(expected=sys.argv[1])  # an artifact's key that differs: inductor decides, importing it
 before = "torch._inductor.codecache" in sys.modules or "torch._dynamo" in sys.modules
+ours_again = inductor.torch_key(expected=ours)
 print(json.dumps({"ours": ours, "imported_inductor": before, "torch": inductor.inductor_torch_key(),
-                  "after": inductor.torch_key()}))
+                  "after": inductor.torch_key(), "again": ours_again}))
+"""
+MISREAD = """
+import json, sys
+import torch
+from kernelpack._torch import inductor
+inductor._source_key = lambda: "00" * 32  # a torch whose sources kernelpack would misread
+print(json.dumps({"no_artifact": inductor.torch_key(), "against_an_artifact": inductor.torch_key(expected="ab" * 32),
+                  "inductor": inductor.inductor_torch_key()}))
 """
 
 
 def test_torch_key_is_read_as_inductor_computes_it_without_importing_inductor() -> None:
     """Issue 36: activate() checks the artifact's torch_key before Dynamo and inductor are imported (1.5-5 s of a
     job's start); kernelpack's reading must be inductor's on every torch version, or every artifact is refused."""
-    out = run_json([sys.executable, "-c", TORCH_KEY])
+    first = run_json([sys.executable, "-c", TORCH_KEY, "00" * 32])  # differs: inductor's own is read
+    out = run_json([sys.executable, "-c", TORCH_KEY, first["torch"]])
     assert out["imported_inductor"] is False, out
-    assert len(out["ours"]) == 64 and out["ours"] == out["torch"] == out["after"], out
+    assert len(out["ours"]) == 64 and out["ours"] == out["torch"] == out["after"] == out["again"], out
+    assert first["imported_inductor"] is True and first["ours"] == out["torch"], first
+    # a misreading never refuses an artifact: inductor's own value is what the artifact is compared with then
+    misread = run_json([sys.executable, "-c", MISREAD])
+    assert misread["no_artifact"] == "00" * 32 and misread["against_an_artifact"] == misread["inductor"], misread

@@ -18,15 +18,18 @@ from . import unsupported
 CONFIG_HINT = "torch._inductor.config.X = ..."
 
 
-def torch_key() -> str:
+def torch_key(expected: str | None = None) -> str:
     """Inductor's hash of torch's sources and version, hex (in every FX-graph key: a locally patched torch with the
     same commit gets another). Computed here as inductor computes it (:func:`_source_key`), without importing
     inductor: that import is Dynamo's too, 1.5-5 s of a job's start, and a background start defers it to its
     thread (issue 36). Once inductor's code cache is imported, its own value. ``inductor_torch_key`` is torch's,
-    for the check that both agree (the warm-up, and a test on every torch version)."""
+    for the check that both agree (the warm-up, and a test on every torch version). ``expected`` (an artifact's):
+    where kernelpack's reading differs from it, inductor's own value decides (importing inductor), so that a
+    refusal is never kernelpack's misreading of a torch it does not know. torch 2.11-2.15."""
     if "torch._inductor.codecache" in sys.modules:
         return inductor_torch_key()
-    return _source_key()
+    ours = _source_key()
+    return inductor_torch_key() if expected is not None and ours != expected else ours
 
 
 def import_compiler() -> None:
