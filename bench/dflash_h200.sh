@@ -34,6 +34,15 @@ arm() {  # arm NAME RUN EXTRA...: one fresh process, its JSON line tagged
   local line; line=$($JOB --steps ${STEPS:-20} --seed $run "$@" 2> "$OUT/$name-$run.log" | tail -1)
   echo "{\"arm\": \"$name\", \"run\": $run, \"result\": ${line:-null}}" | tee -a "$OUT/arms.jsonl"
 }
+record_build() {  # record the job (3 steps) and build its recipe into $D/out, from an empty $D
+  rm -rf $D/*
+  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
+  echo "record exit $?" | tee -a "$OUT/record.log"
+  local s; s=$(date +%s.%N)
+  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
+  echo "build exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/build.log"
+  tail -1 "$OUT/build.log"
+}
 if [[ ${1:-a} == a || ${1:-a} == c ]]; then
   rm -rf $D/*
   s=$(date +%s.%N)
@@ -61,12 +70,7 @@ if [[ ${1:-a} == b ]]; then
   for r in 1 2 3; do TORCHINDUCTOR_CACHE_DIR=$D/mega-cache-$r arm mega $r --flex torch --mega-load $D/mega.bin; done
 fi
 if [[ ${1:-a} == d ]]; then
-  rm -rf $D/*
-  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
-  echo "record exit $?" | tee -a "$OUT/record.log"
-  s=$(date +%s.%N)
-  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
-  echo "build exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s" | tee -a "$OUT/build.log"
+  record_build
   for r in 1 2 3; do KERNELPACK_LOAD=lazy arm kernelpack-lazy $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r; done
   for r in 1 2; do arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kpe-cache-$r; done
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
@@ -75,11 +79,7 @@ fi
 # floor: issue 36's start, phase by phase (bench/start_floor.py), on the artifact that record + build write; then
 # the GPU tests that the lazy default re-expressed (TESTS, a pytest -k expression)
 if [[ ${1:-a} == floor ]]; then
-  rm -rf $D/*
-  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
-  echo "record exit $?" | tee -a "$OUT/record.log"
-  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
-  echo "build exit $?"; tail -2 "$OUT/build.log"
+  record_build
   python3 bench/start_floor.py --artifact $D/out/*.kpack --runs ${RUNS:-3} --profile 45 --out "$OUT/floor.jsonl" \
     2> "$OUT/floor-profile.txt"
   cut -c1-9000 "$OUT/floor-profile.txt" | head -80
@@ -93,12 +93,7 @@ fi
 # kernelpack as the default, native warm (after one cold run fills its cache); then start_floor.py, and the GPU tests
 # TESTS names
 if [[ ${1:-a} == bg ]]; then
-  rm -rf $D/*
-  python3 -m kernelpack.cli record -o $D/drafter.toml -- $JOB --steps 3 --seed 100 > "$OUT/record.log" 2>&1
-  echo "record exit $?" | tee -a "$OUT/record.log"
-  s=$(date +%s.%N)
-  python3 -m kernelpack.cli build $D/drafter.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1
-  echo "build exit $? wall $(python3 -c "print(round($(date +%s.%N) - $s, 1))") s"; tail -1 "$OUT/build.log"
+  record_build
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
   for r in 1 2 3; do
     arm kernelpack-bg $r --artifact $D/out/*.kpack --cache $D/kpb-cache-$r --background
