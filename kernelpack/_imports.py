@@ -117,7 +117,7 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Alone:
-    """One thread's imports under ``prefixes``, which the threads in ``held`` wait for."""
+    """One thread's imports under ``prefixes``, which every other thread but its helpers waits for."""
 
     def __init__(self, prefixes: tuple[str, ...], timeout: float) -> None:
         self.owner = threading.get_ident()
@@ -126,7 +126,6 @@ class _Alone:
         self.prefixes = prefixes
         self.timeout = timeout
         self.done = threading.Event()
-        self.waits = 0
         self.timed_out = False
 
     def _covers(self, name: str) -> bool:
@@ -141,7 +140,6 @@ class _Alone:
         names = [name] + [f"{name}.{f}" for f in fromlist or () if isinstance(f, str) and f != "*"]
         if not any(self._covers(n) and not _loaded(n) for n in names):
             return
-        self.waits += 1
         if not self.done.wait(self.timeout) and not self.timed_out:
             self.timed_out = True
             logging.getLogger(__name__).warning(
