@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._imports import after_import
+from ..errors import TorchUnsupportedError
 from . import unsupported
 
 # How a user sets an inductor config value, for hints that ask for one
@@ -28,7 +29,10 @@ def torch_key(expected: str | None = None) -> str:
     refusal is never kernelpack's misreading of a torch it does not know. torch 2.11-2.15."""
     if "torch._inductor.codecache" in sys.modules:
         return inductor_torch_key()
-    ours = _source_key()
+    try:
+        ours = _source_key()
+    except (OSError, TorchUnsupportedError):  # a torch tree kernelpack cannot read as inductor does: inductor's own
+        return inductor_torch_key()
     return inductor_torch_key() if expected is not None and ours != expected else ours
 
 
