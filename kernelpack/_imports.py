@@ -243,8 +243,7 @@ def importing_alone(prefixes: tuple[str, ...], timeout: float = 120.0) -> Iterat
 
 def _forked_child() -> None:
     global _alone
-    if _alone is not None:
-        _alone = None
+    _alone = None
 
 
 if hasattr(os, "register_at_fork"):

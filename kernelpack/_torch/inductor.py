@@ -63,7 +63,7 @@ _EXTRA_FILES = (
 def _source_key() -> str:
     """torch 2.11-2.15's ``torch_key`` (OSS build): sha256 over torch's version, then every module of the torch
     package in ``pkgutil`` order (its name and its source bytes, packages recursively; ``build_code_hash``), then
-    the extra files. About 0.15 s (2,000 files)."""
+    the extra files. 0.14-0.7 s (docs/BENCHMARKS.md)."""
     import hashlib
     import os
 
