@@ -53,7 +53,9 @@ def make_inputs(
         else:
             t = torch.zeros(shape, device=device, dtype=dtype)
         if layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
-            t = t.transpose(1, 2).contiguous().transpose(1, 2)
+            # a fresh [B, S, H, D] tensor, not t.transpose(1, 2).contiguous(): with one head that returns the view
+            # itself (contiguous but for a size-1 dim's stride, which Dynamo guards on), not the model's strides
+            t = t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2).copy_(t)
             if config.dynamic:
                 # Not a view: with dynamic shapes Dynamo guards on a view's base (its strides by symbol), so a graph
                 # traced on a view misses a tensor with these strides that is none (transformers' q and k after

@@ -172,10 +172,18 @@ def layout_of(query: Any, key: Any, value: Any) -> str:
 
 
 def _tensor_layout(t: Any) -> str:
-    if t.is_contiguous():
-        return "bhsd"
-    if t.transpose(1, 2).is_contiguous():
-        return "bshd"
+    # By the exact strides, as Dynamo's tensor guards compare them, not by is_contiguous(), which ignores the stride
+    # of a size-1 dim: with one kv head (multi-query attention, Gemma3) transformers' k and v are
+    # proj(x).view(B, S, 1, D).transpose(1, 2), strides (S*D, D, D, 1), which is_contiguous() calls contiguous, but a
+    # graph traced on a contiguous [B, 1, S, D] tensor (strides (S*D, S*D, D, 1)) fails its guard ("stride mismatch
+    # at index 1") on every call.
+    if t.dim() == 4:
+        _, h, s, d = t.shape
+        stride = tuple(t.stride())
+        if stride == (h * s * d, s * d, d, 1):
+            return "bhsd"
+        if stride == (s * h * d, d, h * d, 1):  # [B, S, H, D] contiguous, seen as [B, H, S, D]
+            return "bshd"
     return "strided" + str(tuple(t.stride()))
 
 

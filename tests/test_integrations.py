@@ -44,6 +44,38 @@ def test_head_counts_that_are_not_a_power_of_two_repeat_kv_as_transformers_does(
     assert c.layout == "q=bshd k=bhsd v=bhsd"  # repeat_kv's copies are contiguous
 
 
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 2), (4, 1), (1, 1), (8, 1)])
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_the_declared_layout_is_the_one_the_model_passes_one_kv_head_included(
+    q_heads: int, kv_heads: int, use_cache: bool
+) -> None:
+    """The layout recipe_for declares is the signature's reading (exact strides) of the q, k, v the model really
+    passes to its attention function: one kv head (multi-query attention) gives k RoPE's contiguous output and v the
+    transposed view, whose strides differ only on the size-1 head dim; no compile (a capturing attention function in
+    place of flex_attention_forward, which repeats k and v itself for head counts that are not a power of two)."""
+    import torch
+    from transformers import AttentionInterface, MistralForCausalLM
+
+    from kernelpack.signature import layout_of
+
+    seen: list[str] = []
+
+    def capture(module, query, key, value, attention_mask, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(layout_of(query, key, value))
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    AttentionInterface.register("kernelpack-test-capture", capture)
+    over = {"num_attention_heads": q_heads, "num_key_value_heads": kv_heads, "hidden_size": 16 * q_heads}
+    config = MistralConfig(**{**BASE, **over, "num_hidden_layers": 1, "vocab_size": 32, "intermediate_size": 32})
+    (c,) = configs(
+        recipe_for(config, seq_lens=[64], dtype="float32", device="cpu", graphs=["fwd"], use_cache=use_cache)
+    )
+    config._attn_implementation = "kernelpack-test-capture"
+    with torch.no_grad():
+        MistralForCausalLM(config).eval()(torch.randint(0, 32, (1, 64)), use_cache=use_cache)
+    assert seen == [c.layout], (seen, c.layout)
+
+
 def test_the_layers_decide_the_mask_and_the_batch_its_dims() -> None:
     full = MistralConfig(**BASE)
     full.layer_types = ["full_attention"] * full.num_hidden_layers  # sliding_window set, but no layer slides

@@ -162,6 +162,31 @@ def test_the_signature_sees_how_a_model_calls_flex() -> None:
     assert strided.layout.startswith("q=strided(")
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+def test_a_layout_is_named_by_the_strides_dynamo_guards_on_with_size_one_head_dims_too(heads: int) -> None:
+    """One kv head (multi-query attention, Gemma3): transformers' k is proj(x).view(B, S, 1, D).transpose(1, 2),
+    which is_contiguous() calls contiguous (it ignores a size-1 dim's stride) but whose stride on the head dim differs
+    from a contiguous tensor's, and Dynamo guards it: the signature tells them apart, and the canonical inputs of
+    each layout have the strides of the tensor named so (the layout a recipe says is the one the warm-up traces)."""
+    b, s, d = 1, 256, 32
+    x = torch.randn(b, s, 32)
+    view = torch.nn.Linear(32, heads * d)(x).view(b, s, heads, d).transpose(1, 2)
+    made = torch.empty(view.shape).copy_(view)  # not .contiguous(): with one head it returns the view itself
+    assert signature_of({"query": view, "key": view, "value": view}, "default", False).layout == "bshd"
+    assert signature_of({"query": made, "key": made, "value": made}, "default", False).layout == "bhsd"
+    if heads == 1:
+        assert view.is_contiguous() and view.stride() != made.stride()  # what fooled is_contiguous()
+    for layout, real in (("bshd", view), ("bhsd", made)):
+        config = Config(
+            mask="sliding_window", window=64, q_heads=4, kv_heads=heads, q_len=s, kv_len=s, head_dim=d,
+            batch=b, dtype="float32", device="cpu", layout=layout,
+        )  # fmt: skip
+        _, k, _ = make_inputs(config, "cpu")
+        assert k.stride() == real.stride(), (layout, k.stride(), real.stride())
+    odd = torch.empty_strided((b, heads, s, d), (7 * s * d, s * d, d, 1))  # a size-1 batch dim with another stride
+    assert signature_of({"query": odd, "key": odd, "value": odd}, "default", False).layout.startswith("strided(")
+
+
 def test_mod_graphs_tell_what_a_function_computes_not_its_name() -> None:
     from kernelpack.masks import sliding_window
     from kernelpack.signature import mod_graph

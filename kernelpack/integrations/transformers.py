@@ -307,7 +307,17 @@ def recipe_for(
     enable_gqa = not (q_heads & (q_heads - 1))  # else transformers repeats k, v to q_heads: contiguous copies
     if not enable_gqa:
         kv_heads = q_heads
-    layout = "q=bshd k=bhsd v=bhsd" if use_cache or not enable_gqa else "bshd"
+    # q and k are RoPE's outputs (elementwise over the transposed views): with more than one head they keep the
+    # views' [B, S, H, D] order; with one head (multi-query attention, Gemma3) the order is ambiguous and torch makes
+    # them contiguous, while v stays the view: layouts by their exact strides (kernelpack.signature.layout_of; what
+    # `kernelpack record` writes for these models on CPU, torch 2.13, transformers 5.17)
+    q_layout = "bhsd" if q_heads == 1 else "bshd"
+    if use_cache or not enable_gqa:  # from the cache, or repeat_kv's copies: contiguous
+        kv_layouts = ("bhsd", "bhsd")
+    else:
+        kv_layouts = ("bhsd" if kv_heads == 1 else "bshd", "bshd")
+    names = (q_layout, *kv_layouts)
+    layout = names[0] if len(set(names)) == 1 else " ".join(f"{n}={x}" for n, x in zip("qkv", names, strict=True))
     model_type = str(getattr(model_config, "model_type", "model"))
     top: dict[str, Any] = {"name": name or f"{model_type}-kernelpack", "device": device}
     if window:
