@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import weakref
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -97,8 +97,7 @@ class CallParams:
             object.__setattr__(self, "enable_gqa", self.q_heads != self.kv_heads)
         layouts = split_layout(self.layout) if isinstance(self.layout, str) else None
         if layouts is not None:  # as layout_of writes it: "q=bshd k=bshd v=bshd" is "bshd"
-            each = " ".join(f"{n}={x}" for n, x in zip("qkv", layouts, strict=True))
-            object.__setattr__(self, "layout", layouts[0] if len(set(layouts)) == 1 else each)
+            object.__setattr__(self, "layout", joined_layout(layouts))
         if isinstance(self.mask_dims, str) and self.mask_dims != "broadcast":
             # one batch element or one head: a per-batch (per-head) table has the broadcast one's shape
             dims = [d for d in self.mask_dims.split("+") if not (d == "per-batch" and self.batch == 1)]
@@ -165,7 +164,12 @@ def split_layout(layout: str) -> tuple[str, str, str] | None:
 
 def layout_of(query: Any, key: Any, value: Any) -> str:
     """The memory layout of q, k, v (see :data:`Layout`): one name when all three share it, else each."""
-    names = [_tensor_layout(t) for t in (query, key, value)]
+    return joined_layout([_tensor_layout(t) for t in (query, key, value)])
+
+
+def joined_layout(names: Sequence[str]) -> str:
+    """The layout of q, k, v with these layouts, as a recipe and a signature write it: one name when all three share
+    it, else ``"q=... k=... v=..."``."""
     if len(set(names)) == 1:
         return names[0]
     return " ".join(f"{n}={layout}" for n, layout in zip("qkv", names, strict=True))

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _toml
 from ..errors import KernelpackError
 from ..recipe import parse_recipe
+from ..signature import joined_layout
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -316,8 +317,7 @@ def recipe_for(
         kv_layouts = ("bhsd", "bhsd")
     else:
         kv_layouts = ("bhsd" if kv_heads == 1 else "bshd", "bshd")
-    names = (q_layout, *kv_layouts)
-    layout = names[0] if len(set(names)) == 1 else " ".join(f"{n}={x}" for n, x in zip("qkv", names, strict=True))
+    layout = joined_layout((q_layout, *kv_layouts))
     model_type = str(getattr(model_config, "model_type", "model"))
     top: dict[str, Any] = {"name": name or f"{model_type}-kernelpack", "device": device}
     if window:
