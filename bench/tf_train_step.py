@@ -15,7 +15,7 @@ import json
 import time
 
 import torch
-from transformers import MistralForCausalLM  # the model's code before activate()
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, MistralForCausalLM  # before activate()
 from transformers_step import config
 
 from kernelpack import evidence, runtime
@@ -26,6 +26,9 @@ ap.add_argument("--lengths", default="4096,8192")
 ap.add_argument("--artifact")
 ap.add_argument("--cache")
 ap.add_argument("--tiny", action="store_true")
+# gemma3 (issue 35): sliding and full layers, ONE kv head, head_dim 256, query_pre_attn_scalar; its k and v have other
+# strides than a contiguous tensor on the size-1 head dim, which Dynamo guards
+ap.add_argument("--family", choices=["mistral", "gemma3"], default="mistral")
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 t0 = time.perf_counter()
@@ -35,11 +38,19 @@ else:
     hf.register()
 evidence.watch_compiles()
 activate_s = time.perf_counter() - t0
-cfg = config(args.tiny)
+if args.family == "gemma3":
+    cfg = Gemma3TextConfig(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=1024, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=256, max_position_embeddings=16384,
+    )  # fmt: skip
+    model_class: type = Gemma3ForCausalLM
+else:
+    cfg, model_class = config(args.tiny), MistralForCausalLM
 cfg._attn_implementation = "kernelpack"
 torch.manual_seed(0)
 with torch.device(device):
-    model = MistralForCausalLM(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32).train()
+    model = model_class(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32).train()
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 mark = evidence.next_seq()
 steps = []

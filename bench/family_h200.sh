@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 35 on the H200: a transformers family through record -> build -> replay (bench/tf_train_step.py, a training
+# step with reentrant checkpointing at each length), the replay in fresh processes after activate().
+#   FAMILY=gemma3 LENGTHS=2048,4096 bash bench/family_h200.sh
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE  # the device image's: see bench/dflash_h200.sh
+site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+python3 -m compileall -q -j 16 "$site" /tmp/site > /dev/null 2>&1
+python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.git_version, "transformers", transformers.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/env.txt"
+FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
+D=/tmp/fam; rm -rf $D; mkdir -p $D
+JOB="python3 bench/tf_train_step.py --family $FAMILY --lengths $LENGTHS"
+s=$(date +%s)
+python3 -m kernelpack.cli record -o $D/r.toml -- $JOB > "$OUT/record.log" 2>&1; echo "record exit $? in $(( $(date +%s) - s )) s"
+grep -E "layout|kv_heads|seq_len|mask =" $D/r.toml | sort | uniq -c | tee "$OUT/recipe-lines.txt"
+cp $D/r.toml "$OUT/$FAMILY.toml"
+s=$(date +%s)
+python3 -m kernelpack.cli build $D/r.toml -o $D/out --jobs 8 > "$OUT/build.log" 2>&1; echo "build exit $? in $(( $(date +%s) - s )) s"
+tail -2 "$OUT/build.log"
+art=$(ls $D/out/*.kpack | head -1)
+for run in 1 2 3; do
+  $JOB --artifact "$art" --cache $D/cache-$run 2> "$OUT/replay-$run.log" | tail -1 | tee -a "$OUT/replay.jsonl"
+done
