@@ -24,5 +24,10 @@ python3 -m kernelpack.cli build $D/r.toml -o $D/out --jobs 8 > "$OUT/build.log" 
 tail -2 "$OUT/build.log"
 art=$(ls $D/out/*.kpack | head -1)
 for run in 1 2 3; do
-  $JOB --artifact "$art" --cache $D/cache-$run 2> "$OUT/replay-$run.log" | tail -1 | tee -a "$OUT/replay.jsonl"
+  $JOB --artifact "$art" --cache $D/cache-$run 2> "$OUT/replay-$run.log" | tail -1 | tee -a "$OUT/replay.txt"
+done
+# native: transformers' own flex_attention, cold (an empty inductor cache dir) then warm (the same dir) x2
+for run in cold warm1 warm2; do
+  TORCHINDUCTOR_CACHE_DIR=$D/native $JOB --attn flex_attention 2> "$OUT/native-$run.log" | tail -1 \
+    | sed "s/^/{\"arm\": \"native-$run\", \"line\": /; s/\$/}/" | tee -a "$OUT/native.txt"
 done

@@ -29,12 +29,15 @@ ap.add_argument("--tiny", action="store_true")
 # gemma3 (issue 35): sliding and full layers, ONE kv head, head_dim 256, query_pre_attn_scalar; its k and v have other
 # strides than a contiguous tensor on the size-1 head dim, which Dynamo guards
 ap.add_argument("--family", choices=["mistral", "gemma3"], default="mistral")
+# flex_attention: transformers' own compiled flex path, the native arms (cold: an empty TORCHINDUCTOR_CACHE_DIR;
+# warm: the same dir again)
+ap.add_argument("--attn", choices=["kernelpack", "flex_attention"], default="kernelpack")
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 t0 = time.perf_counter()
 if args.artifact:
     runtime.activate(args.artifact, cache_dir=args.cache)
-else:
+elif args.attn == "kernelpack":
     hf.register()
 evidence.watch_compiles()
 activate_s = time.perf_counter() - t0
@@ -47,7 +50,7 @@ if args.family == "gemma3":
     model_class: type = Gemma3ForCausalLM
 else:
     cfg, model_class = config(args.tiny), MistralForCausalLM
-cfg._attn_implementation = "kernelpack"
+cfg._attn_implementation = args.attn
 torch.manual_seed(0)
 with torch.device(device):
     model = model_class(cfg).to(torch.bfloat16 if device == "cuda" else torch.float32).train()
