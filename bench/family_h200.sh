@@ -3,15 +3,7 @@
 # step with reentrant checkpointing at each length), the replay in fresh processes after activate().
 #   FAMILY=gemma3 LENGTHS=2048,4096 bash bench/family_h200.sh
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-export PYTHONPATH=/tmp/site:$PWD:$PWD/bench PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
-unset PYTHONDONTWRITEBYTECODE  # the device image's: see bench/dflash_h200.sh
-site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-python3 -m compileall -q -j 16 "$site" /tmp/site > /dev/null 2>&1
-python3 -c 'import torch, transformers; print("torch", torch.__version__, torch.version.git_version, "transformers", transformers.__version__, torch.cuda.get_device_name(0))' | tee -a "$OUT/env.txt"
+source bench/device_env.sh
 FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
 D=/tmp/fam; rm -rf $D; mkdir -p $D
 JOB="python3 bench/tf_train_step.py --family $FAMILY --lengths $LENGTHS"
