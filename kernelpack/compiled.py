@@ -68,9 +68,10 @@ def compiled_flex_attention(mode: str = "default", dynamic: bool = False) -> Cal
             if fn is None:
                 import torch
 
-                fn = torch.compile(
-                    _flex.eager_flex(), dynamic=None if dynamic else False, mode=None if mode == "default" else mode
-                )
+                dyn = None if dynamic else False
+                # with kernelpack's guard filter: a pytree node type the job registers later (importing a model
+                # module) leaves the warmed graphs serving (kernelpack._torch.dynamo.guard_filter)
+                fn = torch.compile(_flex.eager_flex(), dynamic=dyn, options=_dynamo.compile_options(mode, dyn))
                 _compiled[key] = fn
     return fn
 

@@ -1152,10 +1152,13 @@ def _not_warmed(
                 "computes the same"
             )
         elif "SUPPORTED_NODES" in failed:
+            # kernelpack's own graphs do not keep this guard (_torch.dynamo.guard_filter): a precompiled function
+            # of an older build does, or a graph traced outside kernelpack
             hint = (
-                "a pytree node type was registered after activate(), which invalidates every graph Dynamo traced "
-                "before it (it guards on their count): importing a transformers model module registers its output "
-                "classes. Import your model code (or build the model) before kernelpack.runtime.activate()"
+                "a pytree node type was registered after activate() (importing a transformers model module "
+                "registers its output classes), and this graph keeps Dynamo's guard on their count: an artifact "
+                "built before kernelpack dropped that guard (2026-12-02). Rebuild the artifact, or import your model "
+                "code before kernelpack.runtime.activate()"
             )
         elif "GLOBAL_STATE" in failed or "dispatch" in failed.lower():
             hint = (

@@ -732,7 +732,8 @@ def transformers_model(artifact: str, cache: str) -> dict[str, Any]:
         sdpa = model("sdpa")(ids, use_cache=False).logits
         flex = model("flex_attention")(ids, use_cache=False).logits
     out["vs_sdpa"] = float((ours - sdpa).abs().max())
-    # a pytree node type registered after activate() (importing a model module does it) invalidates the warmed graphs
+    # a pytree node type registered after activate() (importing a model module does it): Dynamo's guard on their
+    # count is not kept (kernelpack._torch.dynamo.guard_filter), so the warmed graphs still serve
     runtime.activate(artifact, cache_dir=cache)
 
     class Late:

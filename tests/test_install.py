@@ -173,6 +173,7 @@ def test_warns_when_torch_already_compiled_elsewhere(smoke_artifact: Path, tmp_p
     assert proc.returncode != 0 and "already compiled" in proc.stderr and "KernelpackWarning" in proc.stderr
 
 
+@pytest.mark.once  # the installer's files and locks: no torch internal
 def test_eight_concurrent_installers(smoke_artifact: Path, tmp_path: Path) -> None:
     target = tmp_path / "shared"
     code = "import sys; from kernelpack import install; r = install(sys.argv[1], sys.argv[2]); print(r.noop)"
@@ -246,6 +247,7 @@ def test_failure_while_committing_rolls_back_what_it_placed(smoke_artifact: Path
     assert tree_digest(target) == before
 
 
+@pytest.mark.once  # the installer's files and locks: no torch internal
 def test_eight_concurrent_installers_without_the_lock(smoke_artifact: Path, tmp_path: Path) -> None:
     """Correctness must not depend on the node lock (network filesystems can lie about flock)."""
     target = tmp_path / "shared"

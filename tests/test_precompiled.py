@@ -195,6 +195,47 @@ def test_covered_calls_are_served_by_precompiled_functions_without_dynamo(smoke_
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
+LATE_IMPORT = """
+import json, sys, torch
+import transformers  # a job's first import
+import kernelpack
+from kernelpack import masks, runtime
+from kernelpack.errors import KernelpackError
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+nodes = [len(torch.utils._pytree.SUPPORTED_NODES)]
+from transformers import Gemma3ForCausalLM  # the model's class after activate(): its output classes are pytree nodes
+nodes.append(len(torch.utils._pytree.SUPPORTED_NODES))
+q, k, v = (torch.randn(1, 2, 256, 64) for _ in range(3))
+try:
+    for w in (64, 128):
+        kernelpack.flex_attention(q, k, v, block_mask=masks.block_mask(masks.sliding_window(w), 256, 256, "cpu"))
+    result = "served"
+except KernelpackError as e:
+    result = str(e)
+report = runtime.report().to_dict()
+print(json.dumps({"nodes": nodes, "result": result, "tiers": sorted({s["tier"] for s in report["served"]}),
+                  "compiles": [r["path"] for r in report["compiles"]]}))
+"""
+
+
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+@pytest.mark.parametrize("tier", ["precompiled", "inductor-cache"])
+def test_a_model_class_imported_after_activate_leaves_both_tiers_serving(
+    tier: str, smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """A job's imports in their natural order: transformers, activate(), then the model's class, whose module
+    registers its output classes as pytree nodes. Dynamo guards a traced graph on the registry's length, and a
+    precompiled function kept the builder's: both tiers refused every call (torch 2.13, Gemma3). kernelpack's graphs
+    drop those guards (kernelpack._torch.dynamo.guard_filter): both serve, compiling nothing after the warm-up."""
+    env = {"PYTHONPATH": str(Path(__file__).parent.parent)}
+    if tier == "inductor-cache":
+        env["KERNELPACK_PRECOMPILED"] = "0"
+    out = run_json([sys.executable, "-c", LATE_IMPORT, str(smoke_artifact), str(tmp_path / "cache")], env=env)
+    assert out["nodes"][1] > out["nodes"][0], out  # the import did register node types
+    assert out["result"] == "served" and out["tiers"] == [tier], out
+    assert set(out["compiles"]) <= {"kernelpack warm-up", "kernelpack load"}, out
+
+
 @pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
 def test_a_precompiled_function_that_fails_to_load_falls_back_to_the_inductor_cache(
     smoke_artifact: Path, tmp_path: Path
@@ -321,6 +362,7 @@ print(json.dumps({"id": config.id, "error": float((out - ref).abs().max()), "ser
 """
 
 
+@pytest.mark.once  # file names by content: kernelpack's
 @pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
 def test_a_rebuilt_artifact_in_a_shared_cache_dir_runs_its_own_mask_not_the_previous_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

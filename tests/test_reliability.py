@@ -257,38 +257,77 @@ def test_8_installers_of_two_artifacts_give_the_union(smoke_artifact: Path, tmp_
 
 # ---------------------------------------------------------------------------------------------- crashes
 
-KILLABLE = (
-    "import sys; from kernelpack import keys; keys.probe('cpu');"  # the slow part (torch import) before READY
-    "print('READY', flush=True); from kernelpack.installer import install_artifact; "
-    "install_artifact(sys.argv[1], sys.argv[2]); print('DONE', flush=True)"
-)
+# One process imports torch and kernelpack once, then forks an installer per trial: each trial is a real process
+# killed by a real SIGKILL mid-install, without 50 torch imports (3 min of CI's time) before the kills.
+ZYGOTE = r"""
+import json, os, sys
+from kernelpack import keys
+from kernelpack.installer import install_artifact
+keys.probe("cpu")  # what an installer has imported before it installs
+for line in sys.stdin:
+    artifact, target = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        print(f"READY {os.getpid()}", flush=True)
+        install_artifact(artifact, target)
+        print(f"DONE {os.getpid()}", flush=True)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print(f"EXIT {pid} {status}", flush=True)
+"""
 
 
 def test_sigkill_at_random_points_leaves_no_partial_file(smoke_artifact: Path, tmp_path: Path) -> None:
     manifest = art.read_manifest(smoke_artifact)
     rng = random.Random(7)
     outcomes: Counter[str] = Counter()
-    for trial in range(KILL_TRIALS):
-        target = tmp_path / f"t{trial}"
-        p = subprocess.Popen(
-            [sys.executable, "-c", KILLABLE, str(smoke_artifact), str(target)], stdout=subprocess.PIPE, text=True
-        )
-        assert p.stdout is not None and p.stdout.readline().strip() == "READY"
-        time.sleep(rng.uniform(0, 0.04))  # the install itself takes tens of ms after READY
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        rest = p.stdout.read()
-        outcomes["finished before the kill" if "DONE" in rest else "killed mid-install"] += 1
-        for f in target.rglob("*") if target.exists() else []:
-            rel = f.relative_to(target).as_posix()
-            if f.is_file() and not rel.startswith((".kernelpack-tmp-", ".kernelpack/")):
-                assert hashlib.sha256(f.read_bytes()).hexdigest() == manifest.files[rel].sha256, rel
-        # a re-run completes, and the killed installer's staging directory is gone
-        install_artifact(smoke_artifact, target)
-        assert not list(target.glob(".kernelpack-tmp-*"))
-        for rel, e in manifest.files.items():
-            assert hashlib.sha256((target / rel).read_bytes()).hexdigest() == e.sha256
-    record("sigkill", {"trials": KILL_TRIALS, "outcomes": dict(outcomes)})
+    zygote = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert zygote.stdin is not None and zygote.stdout is not None
+
+    def fork(target: Path) -> str:
+        assert zygote.stdin is not None and zygote.stdout is not None
+        zygote.stdin.write(json.dumps([str(smoke_artifact), str(target)]) + "\n")
+        zygote.stdin.flush()
+        ready, pid = zygote.stdout.readline().split()
+        assert ready == "READY", ready
+        return pid
+
+    try:
+        # installs unkilled, timed (the fastest of 3; the first pays lazy imports): the kills fall anywhere from an
+        # install's start to a little past its end
+        spans = []
+        for i in range(3):
+            t = time.perf_counter()
+            fork(tmp_path / f"timed{i}")
+            assert zygote.stdout.readline().startswith("DONE") and zygote.stdout.readline().startswith("EXIT")
+            spans.append(time.perf_counter() - t)
+        span = min(spans) * 1.2
+        for trial in range(KILL_TRIALS):
+            target = tmp_path / f"t{trial}"
+            pid = fork(target)
+            time.sleep(rng.uniform(0, span))
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:  # exited already; the zygote has not reaped it yet
+                pass
+            lines = []
+            while not (line := zygote.stdout.readline()).startswith("EXIT"):
+                assert line, "the zygote died"
+                lines.append(line)
+            outcomes["finished before the kill" if f"DONE {pid}\n" in lines else "killed mid-install"] += 1
+            for f in target.rglob("*") if target.exists() else []:
+                rel = f.relative_to(target).as_posix()
+                if f.is_file() and not rel.startswith((".kernelpack-tmp-", ".kernelpack/")):
+                    assert hashlib.sha256(f.read_bytes()).hexdigest() == manifest.files[rel].sha256, rel
+            # a re-run completes, and the killed installer's staging directory is gone
+            install_artifact(smoke_artifact, target)
+            assert not list(target.glob(".kernelpack-tmp-*"))
+            for rel, e in manifest.files.items():
+                assert hashlib.sha256((target / rel).read_bytes()).hexdigest() == e.sha256
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+    record("sigkill", {"trials": KILL_TRIALS, "install_seconds": round(span / 1.2, 3), "outcomes": dict(outcomes)})
     assert outcomes["killed mid-install"] > 0
 
 

@@ -542,9 +542,10 @@ def test_a_transformers_model_with_attn_implementation_kernelpack_compiles_nothi
     assert out["paths"] == ["kernelpack warm-up"], out  # no compile of the model's own: no mask builder graph
     assert out["vs_sdpa"] < 1e-4 and out["vs_flex"] < 1e-4, out
     assert out["takeover"] == {"registered": True, "missed": 0, "vs_ours": 0.0}, out["takeover"]
-    assert "SUPPORTED_NODES" in out["late_pytree"] and "before kernelpack.runtime.activate()" in out["late_pytree"]
+    assert out["late_pytree"] == "served", out["late_pytree"]
 
 
+@pytest.mark.once  # the integration's masks: test_integrations on 2.11
 def test_packed_sequences_through_the_integration_keep_each_rows_documents(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:

@@ -312,3 +312,19 @@ def test_torch_key_is_read_as_inductor_computes_it_without_importing_inductor() 
     # a misreading never refuses an artifact: inductor's own value is what the artifact is compared with then
     misread = run_json([sys.executable, "-c", MISREAD])
     assert misread["no_artifact"] == "00" * 32 and misread["against_an_artifact"] == misread["inductor"], misread
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+def test_compile_options_give_the_backend_of_the_mode(mode: str) -> None:
+    """torch.compile takes a mode or options: kernelpack's options (its guard filter, the mode spelled out) must give
+    the backend torch.compile(mode=mode) gives, or no entry of the one serves a call of the other and their inductor
+    configs (cache keys) differ. (What the filter drops: test_precompiled's late model import, on both tiers.)"""
+    import torch
+
+    from kernelpack._torch import dynamo
+
+    for dyn in (None, False):
+        options = dynamo.compile_options(mode, dyn)
+        assert callable(options.pop("guard_filter_fn"))
+        ours = torch._TorchCompileInductorWrapper(None, options, dyn)
+        assert ours == dynamo.inductor_backend(None if mode == "default" else mode, dyn), (mode, dyn, ours.config)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from . import unsupported
+from .dynamo import compile_options
 
 _NO_TRACING_CONTEXT = "TracingContext.get() must be called within an ongoing trace"
 
@@ -68,9 +69,11 @@ def compile_call(arguments: Mapping[str, Any], *, grad: bool, mode: str = "defau
     kwargs = {k: v for k, v in arguments.items() if k not in ("query", "key", "value")}
     with dynamo_config.patch(enable_aot_compile=True), torch.set_grad_enabled(grad):  # type: ignore[attr-defined]
         # dynamic: what the caller marked symbolic (kernelpack.compiled.trace_settings), the rest static
-        compiled = torch.compile(
-            flex_attention, fullgraph=True, dynamic=None if dynamic else False, mode=None if mode == "default" else mode
-        )
+        dyn = None if dynamic else False
+        # the guards it saves: torch's default filter for aot_compile's, less those on the pytree registry, whose
+        # count is the builder's process's (kernelpack._torch.dynamo.guard_filter)
+        options = compile_options(mode, dyn, serializable=True)
+        compiled = torch.compile(flex_attention, fullgraph=True, dynamic=dyn, options=options)
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 

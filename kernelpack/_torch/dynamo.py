@@ -11,7 +11,7 @@ import contextlib
 import copy
 import functools
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,54 @@ def inductor_backend(mode: str | None, dynamic: bool | None) -> Any:
             raise unsupported("torch.compile's inductor backend wrapper (_TorchCompileInductorWrapper) is gone") from e
         _backends[key] = _TorchCompileInductorWrapper(mode, None, dynamic)
     return _backends[key]
+
+
+# Dynamo guards a graph whose trace flattened a pytree (flex_attention flattens its BlockMask) on torch's registry of
+# pytree node types, torch.utils._pytree.SUPPORTED_NODES: a length check, the registry's keys by position, which
+# types are in it and which are not. A job adds to the registry after activate(): importing a transformers model
+# module registers its ModelOutput classes (146 nodes after `from transformers import Gemma3ForCausalLM`, 140
+# before, torch 2.13). Every graph traced before would fail its guards, and a precompiled function keeps the guards
+# of the builder's process, whose count no job has. The node types the graphs flatten (tuple, list, dict, the
+# BlockMask) are registered by torch at its import and never change; dropping these guards costs nothing a job can
+# hit. (torch's own default filter for aot_compile drops globals and unserializable guards but keeps these.)
+_REGISTRY = "_pytree.SUPPORTED_NODES"
+
+
+def guard_filter(*, serializable: bool) -> Callable[[Sequence[Any]], list[bool]]:
+    """A ``guard_filter_fn`` for torch.compile that drops the guards on torch's pytree registry (above), and, for a
+    function compiled ahead of time (``serializable``), what torch's default filter for aot_compile drops: guards on
+    globals and guard types it cannot serialize. torch 2.11-2.15: ``GuardFilterEntry.name/.is_global/.guard_type``,
+    ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``."""
+    unserializable: Collection[str] = ()
+    if serializable:
+        from torch._dynamo.guards import CheckFunctionManager
+
+        try:
+            unserializable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+        except AttributeError as e:
+            raise unsupported("Dynamo's list of unserializable guard types is gone") from e
+
+    def keep(entries: Sequence[Any]) -> list[bool]:
+        return [
+            _REGISTRY not in g.name and not (serializable and (g.is_global or g.guard_type in unserializable))
+            for g in entries
+        ]
+
+    return keep
+
+
+def compile_options(mode: str | None, dynamic: bool | None, *, serializable: bool = False) -> dict[str, Any]:
+    """``torch.compile``'s ``options=`` for ``mode``, with :func:`guard_filter`. torch takes a mode or options, not
+    both: a mode's options are spelled out as torch applies them (``list_mode_options(mode, dynamic)``), so the
+    backend is equal to that of ``torch.compile(mode=mode)`` (:func:`inductor_backend`) and its cache keys the
+    same. torch 2.11-2.15 (``guard_filter_fn`` is popped from the options before the backend sees them)."""
+    options: dict[str, Any] = {}
+    if mode not in (None, "default"):
+        from torch._inductor import list_mode_options
+
+        options.update(list_mode_options(mode, dynamic))
+    options["guard_filter_fn"] = guard_filter(serializable=serializable)
+    return options
 
 
 def guards_pass(manager: Any, f_locals: Mapping[str, Any]) -> bool:
