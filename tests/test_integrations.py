@@ -1,8 +1,10 @@
-"""kernelpack.integrations.transformers without a build: the recipe a model config gives, and its refusals."""
+"""kernelpack.integrations.transformers: the recipe a model config gives and its refusals (no build), and one family
+that none of the other tests builds (Gemma3: one kv head, query_pre_attn_scalar) built and served end to end."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -94,7 +96,7 @@ def test_no_window_is_the_causal_mask() -> None:
     "over, fragment",
     [
         ({"attn_logit_softcapping": 50.0}, "soft-caps"),
-        ({"layer_types": ["full_attention", "sliding_attention"]}, "mixes attention layers"),
+        ({"layer_types": ["chunked_attention", "full_attention"]}, "'chunked_attention'"),
     ],
 )
 def test_what_a_recipe_cannot_declare_yet_is_refused(over: dict, fragment: str) -> None:
@@ -104,6 +106,32 @@ def test_what_a_recipe_cannot_declare_yet_is_refused(over: dict, fragment: str) 
     with pytest.raises(KernelpackError, match=fragment) as exc:
         recipe_for(config, seq_lens=[256])
     assert exc.value.hint
+
+
+def test_a_model_that_mixes_sliding_and_full_layers_gets_a_config_per_mask_and_length() -> None:
+    """Gemma2/3's pattern (and Mistral's or Qwen2's layer_types): both masks, each at each length, every other field
+    the same; the layer types alone decide (a sliding_window with only full layers is the causal mask)."""
+    config = MistralConfig(**BASE)
+    config.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    mixed = configs(recipe_for(config, seq_lens=[256, 512]))
+    assert sorted((c.mask, c.window, c.q_len) for c in mixed) == [
+        ("kernelpack.integrations.transformers:causal_mask", None, 256),
+        ("kernelpack.integrations.transformers:causal_mask", None, 512),
+        ("kernelpack.integrations.transformers:sliding_window_mask", 64, 256),
+        ("kernelpack.integrations.transformers:sliding_window_mask", 64, 512),
+    ]
+    (one,) = configs(recipe_for(MistralConfig(**BASE), seq_lens=[256]))  # [matrix] form, one mask
+    for c in mixed:
+        differs = {f for f in ("mask", "window", "q_len", "kv_len", "id") if getattr(c, f) != getattr(one, f)}
+        assert {k: v for k, v in c.to_dict().items() if k not in differs} == {
+            k: v for k, v in one.to_dict().items() if k not in differs
+        }, c
+    ranged = configs(recipe_for(config, seq_lens={"min": 256, "max": 1024}))
+    assert len(ranged) == 2 and all(c.dynamic and c.q_range == (256, 1024) for c in ranged), ranged
+    config.layer_types = ["full_attention"] * 2
+    assert [c.mask for c in configs(recipe_for(config, seq_lens=[256]))] == [
+        "kernelpack.integrations.transformers:causal_mask"
+    ]
 
 
 def test_recipe_for_writes_toml_no_config_value_can_break() -> None:
@@ -120,3 +148,72 @@ def test_recipe_for_writes_toml_no_config_value_can_break() -> None:
         recipe_for(MistralConfig(**BASE), seq_lens=[512], device="cuda", name='a"b')
     with pytest.raises(RecipeError, match="name: must be letters"):
         recipe_for(hostile, seq_lens=[512], device="cuda")  # the default name comes from model_type
+
+
+GEMMA3 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=32, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=32, max_position_embeddings=512,
+)  # fmt: skip
+
+GEMMA3_JOB = """
+import json, sys, torch
+import transformers  # the job's imports in their natural order: transformers, activate(), then the model's class
+from kernelpack import runtime
+from kernelpack.errors import KernelpackError
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+from transformers import Gemma3ForCausalLM  # its module registers the model's output classes as pytree nodes
+config = transformers.Gemma3TextConfig(**json.loads(sys.argv[3]))
+torch.manual_seed(0)
+model = Gemma3ForCausalLM(config).eval()
+ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
+logits = {}
+for attn in ("kernelpack", "sdpa"):
+    model.config._attn_implementation = attn
+    try:
+        with torch.no_grad():
+            logits[attn] = model(ids, use_cache=False).logits
+    except KernelpackError as e:
+        print(json.dumps({"refused": str(e)}))
+        sys.exit()
+    if attn == "kernelpack":
+        report = runtime.report()
+        runtime.deactivate()
+print(json.dumps({"refused": None, "vs_sdpa": float((logits["kernelpack"] - logits["sdpa"]).abs().max()),
+                  "missed": len(report.misses), "tiers": sorted({s["tier"] for s in report.to_dict()["served"]}),
+                  "calls": sum(s["calls"] for s in report.to_dict()["served"])}))
+"""
+
+
+def test_a_gemma3_model_with_one_kv_head_imported_after_activate_is_served_by_both_tiers(tmp_path: Path) -> None:
+    """Issue 35 on CPU: the recipe recipe_for writes for a Gemma3 text model with ONE kv head (k RoPE's contiguous
+    output, v the transposed view: before the exact-strides layout every call was refused with "stride mismatch")
+    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), built, then a fresh process that imports the model's class after activate() (6 pytree node types registered:
+    before kernelpack's guard filter every call was refused on their count). Both tiers serve every layer's call,
+    nothing is compiled after the warm-up, and the logits are transformers' own SDPA path's."""
+    import json
+
+    from conftest import run_json
+    from transformers import Gemma3TextConfig
+
+    from kernelpack.build import build_recipe
+
+    recipe = tmp_path / "gemma3.toml"
+    recipe.write_text(
+        recipe_for(Gemma3TextConfig(**GEMMA3), seq_lens=[256], dtype="float32", device="cpu", graphs=["fwd"])
+    )
+    built = build_recipe(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed
+    for tier, env in (("precompiled", {}), ("inductor-cache", {"KERNELPACK_PRECOMPILED": "0"})):
+        run = [
+            sys.executable,
+            "-c",
+            GEMMA3_JOB,
+            str(built.artifact),
+            str(tmp_path / f"cache-{tier}"),
+            json.dumps(GEMMA3),
+        ]
+        out = run_json(run, env=env)
+        assert out["refused"] is None, (tier, out["refused"])
+        assert out["missed"] == 0 and out["tiers"] == [tier] and out["calls"] == GEMMA3["num_hidden_layers"], out
+        assert out["vs_sdpa"] < 1e-4, out

@@ -132,24 +132,15 @@ def test_calls_tables_take_ranges_too() -> None:
 # ------------------------------------------------------------------------------------------------ built, then served
 
 
-class _Built(dict):  # type: ignore[type-arg]
-    """Each kind's artifact, built at its first use: a run of the dynamic tests alone (.ci/run's torch 2.15:
-    ``-k dynamic``) does not build the buckets."""
-
-    def __init__(self, out: Path) -> None:
-        super().__init__()
-        self.out = out
-
-    def __missing__(self, kind: str) -> Path:
-        result = build_recipe(DATA / f"lengths-{kind}.toml", self.out / kind, jobs=2)
-        assert result.artifact is not None and not result.failed
-        self[kind] = result.artifact
-        return result.artifact
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return _Built(tmp_path_factory.mktemp("lengths"))
+    out = tmp_path_factory.mktemp("lengths")
+    artifacts = {}
+    for kind in ("buckets", "dynamic"):
+        result = build_recipe(DATA / f"lengths-{kind}.toml", out / kind, jobs=2)
+        assert result.artifact is not None and not result.failed
+        artifacts[kind] = result.artifact
+    return artifacts
 
 
 def test_a_dynamic_graph_traced_at_one_length_covers_the_range_in_a_fresh_process(built: dict[str, Path]) -> None:
@@ -363,7 +354,7 @@ def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
     bucket (anchors too) and is served the job's own mask, with this step's anchors, at 10 lengths."""
     project = DATA / "lengths_project"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(project), os.environ.get("PYTHONPATH", "")]))
-    built = build_recipe(DATA / "lengths-anchors.toml", tmp_path / "out", jobs=1)
+    built = build_recipe(DATA / "lengths-anchors.toml", tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
     job = tmp_path / "job.py"
     job.write_text(ANCHOR_JOB)

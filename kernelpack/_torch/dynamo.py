@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import re
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,10 @@ def inductor_backend(mode: str | None, dynamic: bool | None) -> Any:
 # of the builder's process, whose count no job has. The node types the graphs flatten (tuple, list, dict, the
 # BlockMask) are registered by torch at its import and never change; dropping these guards costs nothing a job can
 # hit. (torch's own default filter for aot_compile drops globals and unserializable guards but keeps these.)
-_REGISTRY = "_pytree.SUPPORTED_NODES"
+# The registry by either of its sources: ``__import__('torch').utils._pytree.SUPPORTED_NODES`` and, as a global of
+# flex_attention's module, ``G['__import_torch_dot_utils_dot__pytree'].SUPPORTED_NODES`` (torch 2.15 hangs the
+# length check of an in-process graph on that one, whose only guard of its own is DUPLICATE_INPUT).
+_REGISTRY = re.compile(r"pytree\W*\.SUPPORTED_NODES\b")
 
 
 def guard_filter(*, serializable: bool) -> Callable[[Sequence[Any]], list[bool]]:
@@ -84,7 +88,7 @@ def guard_filter(*, serializable: bool) -> Callable[[Sequence[Any]], list[bool]]
 
     def keep(entries: Sequence[Any]) -> list[bool]:
         return [
-            _REGISTRY not in g.name and not (serializable and (g.is_global or g.guard_type in unserializable))
+            not _REGISTRY.search(g.name) and not (serializable and (g.is_global or g.guard_type in unserializable))
             for g in entries
         ]
 

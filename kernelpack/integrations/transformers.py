@@ -277,7 +277,8 @@ def recipe_for(
     """The recipe (TOML text) of the attention calls a transformers model config makes through
     ``attn_implementation="kernelpack"``: heads, head_dim, the sliding window, the scaling, GQA as transformers
     passes it, the layout (q/k/v transposed views; with ``use_cache`` k and v come contiguous from the cache), the
-    lse on CUDA. One recipe per mask: a model that mixes full and sliding-window layers needs one of each.
+    lse on CUDA. A model that mixes sliding-window and full layers (``layer_types``) gets a config per mask
+    (``[[calls]]`` tables); other layer types (chunked, linear attention) are refused: record the job instead.
 
     ``seq_lens`` is a list of lengths, or a range: ``{"min": 1024, "max": 16384, "multiple": 512}`` (static buckets:
     pad each batch to :func:`kernelpack.runtime.padded_length`, labels -100 on the padding; a causal model needs
@@ -292,14 +293,23 @@ def recipe_for(
             "kernelpack.integrations.transformers.score_mod(softcap)",
         )
     layer_types = set(getattr(model_config, "layer_types", None) or ())
-    if len(layer_types) > 1:
+    unknown = sorted(layer_types - {"sliding_attention", "full_attention"})
+    if unknown:  # chunked attention (Llama 4), linear attention (Qwen3-Next): other masks or no flex call
         raise KernelpackError(
-            f"recipe_for: this model mixes attention layers {sorted(layer_types)}",
-            hint="write one recipe per mask (sliding_window_mask with windows, and causal_mask)",
+            f"recipe_for: this model has attention layers of type {', '.join(map(repr, unknown))}, whose calls "
+            "recipe_for does not know",
+            hint="record the job's calls instead: kernelpack record -o recipe.toml -- python train.py",
         )
     window = getattr(model_config, "sliding_window", None)
     if getattr(model_config, "use_sliding_window", True) is False or layer_types == {"full_attention"}:
         window = None  # the layers say full attention, whatever sliding_window holds
+    # the masks its layers call with: a model that mixes sliding and full layers (Gemma2/3, Qwen2 with
+    # max_window_layers, Mistral's layer_types) calls with both, each a config of its own ([[calls]] tables)
+    masks: list[dict[str, Any]] = []
+    if window and layer_types != {"full_attention"}:
+        masks.append({"mask": "kernelpack.integrations.transformers:sliding_window_mask", "window": int(window)})
+    if not window or "full_attention" in layer_types:
+        masks.append({"mask": "kernelpack.integrations.transformers:causal_mask"})
     # module.scaling as the families this is tested with set it (Llama, Mistral, Qwen2/3, Gemma/2, Olmo2, Mixtral);
     # Granite scales by attention_multiplier. Another model may differ: kernelpack verify and report() show a miss
     multiplier = getattr(model_config, "attention_multiplier", None)
@@ -320,10 +330,10 @@ def recipe_for(
     layout = joined_layout((q_layout, *kv_layouts))
     model_type = str(getattr(model_config, "model_type", "model"))
     top: dict[str, Any] = {"name": name or f"{model_type}-kernelpack", "device": device}
-    if window:
-        top |= {"mask": "kernelpack.integrations.transformers:sliding_window_mask", "windows": [int(window)]}
-    else:
-        top["mask"] = "kernelpack.integrations.transformers:causal_mask"
+    if len(masks) == 1:
+        top["mask"] = masks[0]["mask"]
+        if "window" in masks[0]:
+            top["windows"] = [masks[0]["window"]]
     matrix = {
         "batch": batch,
         "q_heads": q_heads,
@@ -343,17 +353,27 @@ def recipe_for(
     }
     if device == "cuda":
         call["return_aux"] = "lse"
-    tables: dict[str, dict[str, Any]] = {"matrix": matrix, "call": call}
-    if isinstance(seq_lens, Mapping) and "multiple" not in seq_lens:
-        tables["compile"] = {"dynamic": True}
+    dynamic = isinstance(seq_lens, Mapping) and "multiple" not in seq_lens
+    tables: list[tuple[str, dict[str, Any]]] = []
+    if len(masks) == 1:
+        tables += [("[matrix]", matrix), ("[call]", call)]
+        if dynamic:
+            tables.append(("[compile]", {"dynamic": True}))
+    else:  # a [[calls]] table per mask and length, each key one value ([matrix]'s dtypes: dtype)
+        lengths = matrix.pop("seq_len")
+        axes = {k: v for k, v in matrix.items() if k != "dtypes"} | {"dtype": dtype}
+        for mask in masks:
+            for n in [lengths] if isinstance(lengths, dict) else lengths:
+                table = mask | {**axes, "seq_len": n} | call
+                tables.append(("[[calls]]", table | ({"dynamic": True} if dynamic else {})))
     # through the one TOML writer (a model_type or name with a quote or a newline cannot break the file or add keys),
     # then read back as the builder will: a bad name or value is an error here, naming the key
     about = f'{model_type} through attn_implementation="kernelpack" (kernelpack.integrations.transformers.recipe_for)'
     lines = ["# " + _toml.comment(about)]
     try:
         lines += [f"{_toml.key(k)} = {_toml.value(v)}" for k, v in top.items()]
-        for table, items in tables.items():
-            lines += ["", f"[{table}]", *(f"{_toml.key(k)} = {_toml.value(v)}" for k, v in items.items())]
+        for header, items in tables:
+            lines += ["", header, *(f"{_toml.key(k)} = {_toml.value(v)}" for k, v in items.items())]
     except _toml.NotWritable as e:
         raise KernelpackError(
             f"recipe_for: a value {e}", hint="pass name= with letters, digits, '-', '_', '.'"
