@@ -188,9 +188,10 @@ print(json.dumps({"refused": None, "vs_sdpa": float((logits["kernelpack"] - logi
 def test_a_gemma3_model_with_one_kv_head_imported_after_activate_is_served_by_both_tiers(tmp_path: Path) -> None:
     """Issue 35 on CPU: the recipe recipe_for writes for a Gemma3 text model with ONE kv head (k RoPE's contiguous
     output, v the transposed view: before the exact-strides layout every call was refused with "stride mismatch")
-    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), built, then a fresh process that imports the model's class after activate() (6 pytree node types registered:
-    before kernelpack's guard filter every call was refused on their count). Both tiers serve every layer's call,
-    nothing is compiled after the warm-up, and the logits are transformers' own SDPA path's."""
+    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), built, then a fresh
+    process that imports the model's class after activate() (6 pytree node types registered: before kernelpack's
+    guard filter every call was refused on their count). Both tiers serve every layer's call, nothing is compiled
+    after the warm-up, and the logits are transformers' own SDPA path's."""
     import json
 
     from conftest import run_json
