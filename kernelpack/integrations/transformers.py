@@ -360,8 +360,8 @@ def recipe_for(
         if dynamic:
             tables.append(("[compile]", {"dynamic": True}))
     else:  # a [[calls]] table per mask and length, each key one value ([matrix]'s dtypes: dtype)
-        lengths = matrix.pop("seq_len")
-        axes = {k: v for k, v in matrix.items() if k != "dtypes"} | {"dtype": dtype}
+        lengths = _lengths(seq_lens)
+        axes = {k: v for k, v in matrix.items() if k not in ("dtypes", "seq_len")} | {"dtype": dtype}
         for mask in masks:
             for n in [lengths] if isinstance(lengths, dict) else lengths:
                 table = mask | {**axes, "seq_len": n} | call
