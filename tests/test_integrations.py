@@ -1,5 +1,6 @@
-"""kernelpack.integrations.transformers: the recipe a model config gives and its refusals (no build), and one family
-that none of the other tests builds (Gemma3: one kv head, query_pre_attn_scalar) built and served end to end."""
+"""kernelpack.integrations.transformers: the recipe a model config gives and its refusals (no build), and families
+that none of the other tests builds (Gemma3, Gemma2: one kv head, mixed layers, softcap) built and served end to
+end."""
 
 from __future__ import annotations
 
@@ -95,8 +96,8 @@ def test_no_window_is_the_causal_mask() -> None:
 @pytest.mark.parametrize(
     "over, fragment",
     [
-        ({"attn_logit_softcapping": 50.0}, "soft-caps"),
         ({"layer_types": ["chunked_attention", "full_attention"]}, "'chunked_attention'"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, "'linear_attention'"),
     ],
 )
 def test_what_a_recipe_cannot_declare_yet_is_refused(over: dict, fragment: str) -> None:
@@ -155,20 +156,22 @@ GEMMA3 = dict(
     num_key_value_heads=1, head_dim=32, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
     query_pre_attn_scalar=32, max_position_embeddings=512,
 )  # fmt: skip
+GEMMA2 = {**GEMMA3, "attn_logit_softcapping": 50.0}  # soft-capped logits: the score_mod closes over the cap
 
-GEMMA3_JOB = """
+FAMILY_JOB = """
 import json, sys, torch
 import transformers  # the job's imports in their natural order: transformers, activate(), then the model's class
 from kernelpack import runtime
 from kernelpack.errors import KernelpackError
 runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
-from transformers import Gemma3ForCausalLM  # its module registers the model's output classes as pytree nodes
-config = transformers.Gemma3TextConfig(**json.loads(sys.argv[3]))
+config_class, model_class, kwargs = json.loads(sys.argv[3])
+model_class = getattr(transformers, model_class)  # its module registers the model's output classes as pytree nodes
+config = getattr(transformers, config_class)(**kwargs)
 torch.manual_seed(0)
-model = Gemma3ForCausalLM(config).eval()
+model = model_class(config).eval()
 ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
 logits = {}
-for attn in ("kernelpack", "sdpa"):
+for attn in ("kernelpack", "eager"):  # eager: transformers' reference math, softcap included (SDPA has none)
     model.config._attn_implementation = attn
     try:
         with torch.no_grad():
@@ -179,42 +182,54 @@ for attn in ("kernelpack", "sdpa"):
     if attn == "kernelpack":
         report = runtime.report()
         runtime.deactivate()
-print(json.dumps({"refused": None, "vs_sdpa": float((logits["kernelpack"] - logits["sdpa"]).abs().max()),
+print(json.dumps({"refused": None, "vs_eager": float((logits["kernelpack"] - logits["eager"]).abs().max()),
                   "missed": len(report.misses), "tiers": sorted({s["tier"] for s in report.to_dict()["served"]}),
                   "calls": sum(s["calls"] for s in report.to_dict()["served"])}))
 """
 
 
-def test_a_gemma3_model_with_one_kv_head_imported_after_activate_is_served_by_both_tiers(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "family, tiers",
+    [
+        (("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3), ("precompiled", "inductor-cache")),
+        (("Gemma2Config", "Gemma2ForCausalLM", GEMMA2), ("precompiled",)),
+    ],
+    ids=["gemma3", "gemma2"],
+)
+def test_a_family_with_one_kv_head_and_mixed_layers_imported_after_activate_is_served(
+    family: tuple[str, str, dict], tiers: tuple[str, ...], tmp_path: Path
+) -> None:
     """Issue 35 on CPU: the recipe recipe_for writes for a Gemma3 text model with ONE kv head (k RoPE's contiguous
     output, v the transposed view: before the exact-strides layout every call was refused with "stride mismatch")
-    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), built, then a fresh
-    process that imports the model's class after activate() (6 pytree node types registered: before kernelpack's
-    guard filter every call was refused on their count). Both tiers serve every layer's call, nothing is compiled
-    after the warm-up, and the logits are transformers' own SDPA path's."""
+    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), and for Gemma2 (the
+    same, soft-capped: recipe_for refused softcap before), built, then a fresh process that imports the model's
+    class after activate() (6 pytree node types registered: before kernelpack's guard filter every call was refused
+    on their count). Both tiers serve every layer's call (Gemma2: tier 2), nothing is compiled after the warm-up,
+    and the logits are transformers' own eager attention's."""
     import json
 
+    import transformers
     from conftest import run_json
-    from transformers import Gemma3TextConfig
 
     from kernelpack.build import build_recipe
 
-    recipe = tmp_path / "gemma3.toml"
-    recipe.write_text(
-        recipe_for(Gemma3TextConfig(**GEMMA3), seq_lens=[256], dtype="float32", device="cpu", graphs=["fwd"])
-    )
+    config_class, _, kwargs = family
+    recipe = tmp_path / "family.toml"
+    config = getattr(transformers, config_class)(**kwargs)
+    recipe.write_text(recipe_for(config, seq_lens=[256], dtype="float32", device="cpu", graphs=["fwd"]))
     built = build_recipe(recipe, tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
-    for tier, env in (("precompiled", {}), ("inductor-cache", {"KERNELPACK_PRECOMPILED": "0"})):
+    for tier in tiers:
+        env = {"KERNELPACK_PRECOMPILED": "0"} if tier == "inductor-cache" else {}
         run = [
             sys.executable,
             "-c",
-            GEMMA3_JOB,
+            FAMILY_JOB,
             str(built.artifact),
             str(tmp_path / f"cache-{tier}"),
-            json.dumps(GEMMA3),
+            json.dumps(family),
         ]
         out = run_json(run, env=env)
         assert out["refused"] is None, (tier, out["refused"])
-        assert out["missed"] == 0 and out["tiers"] == [tier] and out["calls"] == GEMMA3["num_hidden_layers"], out
-        assert out["vs_sdpa"] < 1e-4, out
+        assert out["missed"] == 0 and out["tiers"] == [tier] and out["calls"] == kwargs["num_hidden_layers"], out
+        assert out["vs_eager"] < 1e-4, out

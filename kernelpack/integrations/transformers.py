@@ -30,7 +30,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import _toml
+from .. import _toml, closures
 from ..errors import KernelpackError
 from ..recipe import parse_recipe
 from ..signature import joined_layout
@@ -286,12 +286,7 @@ def recipe_for(
     q_heads = int(model_config.num_attention_heads)
     kv_heads = int(getattr(model_config, "num_key_value_heads", None) or q_heads)
     head_dim = int(getattr(model_config, "head_dim", None) or model_config.hidden_size // q_heads)
-    if getattr(model_config, "attn_logit_softcapping", None):
-        raise KernelpackError(
-            "recipe_for: this model soft-caps its attention logits, which recipes cannot declare yet",
-            hint="write the recipe by hand with a score_mod factory that returns "
-            "kernelpack.integrations.transformers.score_mod(softcap)",
-        )
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
     layer_types = set(getattr(model_config, "layer_types", None) or ())
     unknown = sorted(layer_types - {"sliding_attention", "full_attention"})
     if unknown:  # chunked attention (Llama 4), linear attention (Qwen3-Next): other masks or no flex call
@@ -346,10 +341,14 @@ def recipe_for(
     call: dict[str, Any] = {"layout": layout}
     if batch > 1:
         call["mask_dims"] = "per-batch"  # transformers' BlockMask: B = batch size
+    # a soft-capping model (Gemma2): the score_mod attention() passes it, score_mod(softcap), by reference with its
+    # closure values, as kernelpack record writes a job's own function (kernelpack.closures): the same code object
+    # and values, so the same key
+    score = closures.describe(score_mod(float(softcap)), "score_mod") if softcap else None
     call |= {
         "scale": scale,
         "enable_gqa": enable_gqa,
-        "score_mod": "kernelpack.integrations.transformers:recipe_score_mod",
+        "score_mod": score or "kernelpack.integrations.transformers:recipe_score_mod",
     }
     if device == "cuda":
         call["return_aux"] = "lse"
