@@ -188,6 +188,10 @@ print(json.dumps({"refused": None, "vs_eager": float((logits["kernelpack"] - log
 """
 
 
+# once: a build and 3 fresh model processes, 3 minutes on torch 2.11's leg of CI; the torch-internal half (a model
+# class imported after activate()) is test_precompiled's, run on every torch, and the H200's GPU suite trains
+# transformers models through kernelpack on 2.11
+@pytest.mark.once
 @pytest.mark.parametrize(
     "family, tiers",
     [
