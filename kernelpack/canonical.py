@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .masks import score_mod_for
-from .signature import split_layout
+from .signature import Strides, parse_layout, split_layout
 
 if TYPE_CHECKING:
     import torch
@@ -52,15 +52,27 @@ def make_inputs(
             t = torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
         else:
             t = torch.zeros(shape, device=device, dtype=dtype)
-        if layout == "bshd":  # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides
-            # a fresh [B, S, H, D] tensor, not t.transpose(1, 2).contiguous(): with one head that returns the view
-            # itself (contiguous but for a size-1 dim's stride, which Dynamo guards on), not the model's strides
-            t = t.new_empty((t.shape[0], t.shape[2], t.shape[1], t.shape[3])).transpose(1, 2).copy_(t)
-            if config.dynamic:
-                # Not a view: with dynamic shapes Dynamo guards on a view's base (its strides by symbol), so a graph
-                # traced on a view misses a tensor with these strides that is none (transformers' q and k after
-                # RoPE); one traced on a non-view serves both (CPU, torch 2.13)
-                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+        strides = parse_layout(layout)
+        assert strides is not None  # validated by Config
+        b, h, s, d = shape
+        if strides.row is not None and not config.dynamic:
+            # a slice of wider rows (a fused projection's output, Phi-3's v): a view at the end of each row, as a
+            # fused qkv's v is, storage offset and all
+            if strides.order == "bshd":
+                head = strides.head or d
+                base = t.new_empty((b, s, strides.row))[:, :, strides.row - h * head :]
+                view = base.unflatten(-1, (h, head))[..., :d].transpose(1, 2)
+            else:
+                view = t.new_empty((b, h, s, strides.row))[..., strides.row - d :]
+            t = view.copy_(t)
+        elif strides != Strides("bhsd"):
+            # proj(x).view(B, S, H, D).transpose(1, 2): the same values, other strides. A fresh tensor with the
+            # model's strides, not t.transpose(1, 2).contiguous(): with one head that returns the view itself
+            # (contiguous but for a size-1 dim's stride, which Dynamo guards on). And not a view: with dynamic
+            # shapes Dynamo guards on a view's base (its strides by symbol), so a graph traced on a view misses a
+            # tensor with these strides that is none (transformers' q and k after RoPE); one traced on a non-view
+            # serves both (CPU, torch 2.13)
+            t = torch.empty_strided(shape, strides.strides(b, h, s, d), dtype=t.dtype, device=t.device).copy_(t)
         return t.requires_grad_(graph == "fwd+bwd")
 
     q = rand(config.q_heads, config.q_len, layouts[0])

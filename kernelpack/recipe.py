@@ -23,7 +23,9 @@ Example (``recipes/smoke-cpu.toml``)::
 
     [call]                            # how the job calls flex_attention; every key optional
     layout = "bhsd"                   # or "bshd" (q/k/v as proj(x).view(B, S, H, D).transpose(1, 2)), or each
-                                      # ("q=bshd k=bhsd v=bhsd": a KV cache's k, v), or a list of these
+                                      # ("q=bshd k=bhsd v=bhsd": a KV cache's k, v), either order in wider
+                                      # rows ("bshd(row=128)": a slice of a fused qkv projection, Phi-3's v;
+                                      # "bshd(head=48,row=384)": GPT-NeoX's), or a list of these
     scale = 0.125                     # default: 1/sqrt(head_dim)
     return_lse = false
     enable_gqa = false                # default: q_heads != kv_heads
@@ -92,6 +94,7 @@ from .signature import (
     CallParams,
     CallSignature,
     Graph,
+    parse_layout,
     split_layout,
 )
 
@@ -401,7 +404,20 @@ def _validate(c: Config) -> None:
             allowed="['fwd'] when device = 'cpu'",
         )
     if not isinstance(c.layout, str) or split_layout(c.layout) is None:
-        raise ConfigError("layout", "unknown layout", value=c.layout, allowed=(*LAYOUTS, "'q=bshd k=bhsd v=bhsd'"))
+        raise ConfigError(
+            "layout",
+            "unknown layout",
+            value=c.layout,
+            allowed=(*LAYOUTS, "'bshd(row=R)'", "'bshd(head=P,row=R)'", "'bhsd(row=R)'", "'q=bshd k=bhsd v=bhsd'"),
+        )
+    for name, layout, heads in zip("qkv", split_layout(c.layout), (c.q_heads, c.kv_heads, c.kv_heads), strict=True):
+        narrow = (
+            isinstance(heads, int)
+            and isinstance(c.head_dim, int)
+            and parse_layout(layout).too_narrow(heads, c.head_dim)
+        )
+        if narrow:
+            raise ConfigError("layout", f"{name}'s rows cannot hold its heads: {narrow}", value=c.layout)
     if c.scale is not None and (
         isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or not 0 < c.scale < math.inf
     ):  # not 0 < nan either: TOML has nan and inf

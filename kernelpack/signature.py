@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import re
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cu
 Graph = Literal["fwd", "fwd+bwd"]
 # How q, k, v lie in memory: "bhsd" contiguous [B, H, S, D]; "bshd" a contiguous [B, S, H, D] seen as [B, H, S, D]
 # through .transpose(1, 2), what every HF model passes (proj(x).view(B, S, H, D).transpose(1, 2)). Inductor compiles
-# static strides into the graph and Dynamo guards on them, so each is its own graph.
+# static strides into the graph and Dynamo guards on them, so each is its own graph. Either order may lie in wider
+# rows, a slice of a fused projection's output (:func:`layout_name`): "bshd(row=128)" is Phi-3's v, a [B, S, H, D]
+# slice of qkv_proj(x) ([B, S, 128]); "bshd(head=48,row=384)" GPT-NeoX's, each head's D of a 3*D chunk.
 Layout = Literal["bhsd", "bshd"]
 DEVICES: tuple[str, ...] = get_args(Device)
 DTYPES: tuple[str, ...] = get_args(Dtype)
@@ -150,14 +153,77 @@ def graph_of(query: Any, key: Any, value: Any) -> Graph:
     return "fwd+bwd" if grad else "fwd"
 
 
+_LAYOUT = re.compile(r"(bhsd|bshd)(?:\((?:head=([1-9][0-9]*),)?row=([1-9][0-9]*)\))?")
+
+
+@dataclass(frozen=True)
+class Strides:
+    """One tensor's layout: its dim order (a :data:`Layout`) and, for a slice of wider rows, the stride of a head
+    (``head``, bshd only) and of a row (``row``: the S stride). None: dense."""
+
+    order: str
+    head: int | None = None
+    row: int | None = None
+
+    def too_narrow(self, h: int, d: int) -> str | None:
+        """Why rows of this layout cannot hold ``h`` heads of ``d`` (None when they can)."""
+        head = self.head or d
+        if head < d:
+            return f"head={head} is narrower than head_dim {d}"
+        width = d if self.order == "bhsd" else h * head
+        if self.row is not None and self.row < width:
+            return f"row={self.row} is narrower than {'head_dim' if self.order == 'bhsd' else 'heads x head'} {width}"
+        return None
+
+    def strides(self, b: int, h: int, s: int, d: int) -> tuple[int, int, int, int]:
+        """The [B, H, S, D] strides of a tensor of these sizes with this layout."""
+        if self.order == "bhsd":
+            row = self.row or d
+            return (h * s * row, s * row, row, 1)
+        head = self.head or d
+        row = self.row or h * head
+        return (s * row, head, row, 1)
+
+
+def parse_layout(name: str) -> Strides | None:
+    """The :class:`Strides` one tensor's layout name says ("bshd", "bshd(row=128)", "bshd(head=48,row=384)"), None
+    when it is none. A row or head no wider than dense is written as the dense name (:func:`layout_name`)."""
+    m = _LAYOUT.fullmatch(name)
+    if m is None or (m.group(1) == "bhsd" and m.group(2)):
+        return None
+    return Strides(m.group(1), int(m.group(2)) if m.group(2) else None, int(m.group(3)) if m.group(3) else None)
+
+
+def layout_name(t: Any) -> str:
+    """One tensor's layout by its exact strides, as Dynamo's tensor guards compare them (see :func:`_tensor_layout`):
+    a :data:`Layout`, either in wider rows, or ``strided(...)`` (no recipe can declare it)."""
+    _, h, s, d = t.shape
+    stride = tuple(t.stride())
+    if stride == (h * s * d, s * d, d, 1):
+        return "bhsd"
+    if stride == (s * h * d, d, h * d, 1):  # [B, S, H, D] contiguous, seen as [B, H, S, D]
+        return "bshd"
+    # a slice of wider rows (a fused projection's q, k or v, before anything copies it): the row is the S stride,
+    # with its B stride S rows (one buffer [B, S, row]); bshd's head the H stride. Size-1 dims keep their stride:
+    # Dynamo guards it too
+    row = stride[2]
+    if stride[3] == 1 and row > 0:
+        if row >= d and stride[:2] == (h * s * row, s * row) and row != d:
+            return f"bhsd(row={row})"
+        head = stride[1]
+        if head >= d and row >= h * head and stride[0] == s * row and (head, row) != (d, h * d):
+            return f"bshd(head={head},row={row})" if head != d else f"bshd(row={row})"
+    return "strided" + str(stride)
+
+
 def split_layout(layout: str) -> tuple[str, str, str] | None:
-    """The (q, k, v) layouts a layout names: one :data:`Layout` for all three, or each as "q=bshd k=bhsd v=bhsd"
-    (transformers with a KV cache: the cache concatenates k and v into contiguous tensors). None when one of them is
-    not a :data:`Layout`."""
-    if layout in LAYOUTS:
+    """The (q, k, v) layouts a layout names: one layout for all three (``"bshd"``, :func:`parse_layout`), or each as
+    "q=bshd k=bhsd v=bhsd" (transformers with a KV cache: the cache concatenates k and v into contiguous tensors;
+    Phi-3: "q=bhsd k=bhsd v=bshd(row=128)"). None when one of them is not a layout."""
+    if parse_layout(layout) is not None:
         return (layout, layout, layout)
     parts = [part.split("=", 1) for part in layout.split()]
-    if [p[0] for p in parts] != ["q", "k", "v"] or any(len(p) != 2 or p[1] not in LAYOUTS for p in parts):
+    if [p[0] for p in parts] != ["q", "k", "v"] or any(len(p) != 2 or parse_layout(p[1]) is None for p in parts):
         return None  # only in the order layout_of writes: q, k, v
     return (parts[0][1], parts[1][1], parts[2][1])
 
@@ -182,12 +248,7 @@ def _tensor_layout(t: Any) -> str:
     # graph traced on a contiguous [B, 1, S, D] tensor (strides (S*D, S*D, D, 1)) fails its guard ("stride mismatch
     # at index 1") on every call.
     if t.dim() == 4:
-        _, h, s, d = t.shape
-        stride = tuple(t.stride())
-        if stride == (h * s * d, s * d, d, 1):
-            return "bhsd"
-        if stride == (s * h * d, d, h * d, 1):  # [B, S, H, D] contiguous, seen as [B, H, S, D]
-            return "bshd"
+        return layout_name(t)
     return "strided" + str(tuple(t.stride()))
 
 

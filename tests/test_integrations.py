@@ -1,9 +1,10 @@
-"""kernelpack.integrations.transformers: the recipe a model config gives and its refusals (no build), and families
-that none of the other tests builds (Gemma3, Gemma2: one kv head, mixed layers, softcap) built and served end to
-end."""
+"""kernelpack.integrations.transformers: the recipe a model config gives and its refusals (no build), against the
+calls each family of the model matrix (tests/families.py) really makes; and the matrix recorded, built and replayed
+end to end."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import families
 from transformers import MistralConfig
 
 from kernelpack.errors import KernelpackError
@@ -151,89 +153,95 @@ def test_recipe_for_writes_toml_no_config_value_can_break() -> None:
         recipe_for(hostile, seq_lens=[512], device="cuda")  # the default name comes from model_type
 
 
-GEMMA3 = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=32, sliding_window=64, layer_types=["sliding_attention", "full_attention"],
-    query_pre_attn_scalar=32, max_position_embeddings=512,
-)  # fmt: skip
-GEMMA2 = {**GEMMA3, "attn_logit_softcapping": 50.0}  # soft-capped logits: the score_mod closes over the cap
-
-FAMILY_JOB = """
-import json, sys, torch
-import transformers  # the job's imports in their natural order: transformers, activate(), then the model's class
-from kernelpack import runtime
-from kernelpack.errors import KernelpackError
-runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
-config_class, model_class, kwargs = json.loads(sys.argv[3])
-model_class = getattr(transformers, model_class)  # its module registers the model's output classes as pytree nodes
-config = getattr(transformers, config_class)(**kwargs)
-torch.manual_seed(0)
-model = model_class(config).eval()
-ids = torch.randint(0, config.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1))
-logits = {}
-for attn in ("kernelpack", "eager"):  # eager: transformers' reference math, softcap included (SDPA has none)
-    model.config._attn_implementation = attn
-    try:
-        with torch.no_grad():
-            logits[attn] = model(ids, use_cache=False).logits
-    except KernelpackError as e:
-        print(json.dumps({"refused": str(e)}))
-        sys.exit()
-    if attn == "kernelpack":
-        report = runtime.report()
-        runtime.deactivate()
-print(json.dumps({"refused": None, "vs_eager": float((logits["kernelpack"] - logits["eager"]).abs().max()),
-                  "missed": len(report.misses), "tiers": sorted({s["tier"] for s in report.to_dict()["served"]}),
-                  "calls": sum(s["calls"] for s in report.to_dict()["served"])}))
-"""
+# the head counts a family's config may take: its own, a count that is not a power of two (transformers repeats k and
+# v: contiguous copies), and such a count without GQA (repeat_kv by 1 returns k and v as they are)
+HEADS = {"own": {}, "6/2": {"num_attention_heads": 6, "num_key_value_heads": 2}, "6/6": {"num_attention_heads": 6}}
 
 
-# once: a build and 3 fresh model processes, 3 minutes on torch 2.11's leg of CI; the torch-internal half (a model
-# class imported after activate()) is test_precompiled's, run on every torch, and the H200's GPU suite trains
-# transformers models through kernelpack on 2.11
+def _with_heads(family: families.Family, heads: dict) -> families.Family:
+    if not heads:
+        return family
+    d = family.kwargs.get("head_dim", 16)
+    kwargs = {**family.kwargs, "hidden_size": heads["num_attention_heads"] * d}
+    kwargs["num_attention_heads"] = heads["num_attention_heads"]
+    if "num_key_value_heads" in family.kwargs:  # a family with GQA (GPT-NeoX has none)
+        kwargs["num_key_value_heads"] = heads.get("num_key_value_heads", heads["num_attention_heads"])
+    return dataclasses.replace(family, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("name", [f.name for f in families.FAMILIES if f.inputs == "plain" and "cpu" in f.devices])
+def test_recipe_for_declares_the_calls_each_family_makes(name: str, heads: str, tmp_path: Path) -> None:
+    """Issue 35 item 3: for each family (and other head counts), the recipe recipe_for writes from the config stands
+    for the very calls the model makes, as kernelpack.recording writes them from a real forward: layouts by exact
+    strides (one kv head, Phi-3's and GPT-NeoX's fused projections, repeat_kv's copies), masks per layer type,
+    scale, softcap, by what each computes. No compile (recording skips the calls)."""
+    import torch
+
+    import kernelpack
+    from kernelpack.integrations import transformers as hf
+
+    family = _with_heads(families.BY_NAME[name], HEADS[heads])
+    config = family.make_config()
+    config._attn_implementation = "kernelpack"
+    hf.register()
+    torch.manual_seed(0)
+    model = getattr(__import__("transformers"), family.model)(config).eval()
+    recorded = tmp_path / "recorded.toml"
+    with kernelpack.recording(recorded), torch.no_grad():
+        model(**families.inputs(family, 128, "cpu"), use_cache=False)
+    written = recipe_for(config, seq_lens=[128], dtype="float32", device="cpu", graphs=["fwd"])
+    ours, theirs = families.signatures(written), families.signatures(recorded.read_text())
+    assert ours == theirs, ([s.describe() for s in ours - theirs], [s.describe() for s in theirs - ours])
+
+
+def test_a_family_with_attention_sinks_is_refused_on_cpu_by_name() -> None:
+    """GPT-OSS applies its sinks with flex's lse, which flex returns on CUDA only: recipe_for says so for CPU (and
+    transformers refuses the model there), and writes the lse for CUDA."""
+    config = families.BY_NAME["gpt-oss"].make_config()
+    with pytest.raises(KernelpackError, match=r"gpt_oss has attention sinks.*no lse on CPU"):
+        recipe_for(config, seq_lens=[128], dtype="float32", device="cpu", graphs=["fwd"])
+    assert {c.return_aux for c in configs(recipe_for(config, seq_lens=[128]))} == {"lse"}
+
+
+def test_docs_transformers_md_lists_the_families_the_tests_run() -> None:
+    """docs/transformers.md is generated from tests/families.py's list (python tests/families.py --doc)."""
+    doc = Path(__file__).parent.parent / "docs" / "transformers.md"
+    assert doc.read_text() == families.doc(), "regenerate: python tests/families.py --doc > docs/transformers.md"
+
+
+# once: a record, a build of 10 configs and 2 fresh processes, about 2 minutes (4 on CI's machine): the main
+# suite's torch only. The torch-internal halves run on every torch: the model class imported after activate() in
+# test_precompiled, the layouts here (no build); the H200's GPU suite runs the matrix with backward on 2.11
 @pytest.mark.once
-@pytest.mark.parametrize(
-    "family, tiers",
-    [
-        (("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3), ("precompiled", "inductor-cache")),
-        (("Gemma2Config", "Gemma2ForCausalLM", GEMMA2), ("precompiled",)),
-    ],
-    ids=["gemma3", "gemma2"],
-)
-def test_a_family_with_one_kv_head_and_mixed_layers_imported_after_activate_is_served(
-    family: tuple[str, str, dict], tiers: tuple[str, ...], tmp_path: Path
-) -> None:
-    """Issue 35 on CPU: the recipe recipe_for writes for a Gemma3 text model with ONE kv head (k RoPE's contiguous
-    output, v the transposed view: before the exact-strides layout every call was refused with "stride mismatch")
-    and a sliding and a full layer (a config per mask: recipe_for refused mixed layers before), and for Gemma2 (the
-    same, soft-capped: recipe_for refused softcap before), built, then a fresh process that imports the model's
-    class after activate() (6 pytree node types registered: before kernelpack's guard filter every call was refused
-    on their count). Both tiers serve every layer's call (Gemma2: tier 2), nothing is compiled after the warm-up,
-    and the logits are transformers' own eager attention's."""
-    import json
+def test_every_family_records_builds_and_replays_with_no_compile(tmp_path: Path) -> None:
+    """Issue 35 item 1 on CPU: `kernelpack record` of one forward of every family (tests/families.py: Llama,
+    Mistral, Qwen2, Qwen3 with mixed layers, Gemma2's softcap, Gemma3's one kv head and head_dim 256, Phi-3's and
+    GPT-NeoX's fused projections, packed sequences, a padded batch of 2), `kernelpack build` with no hand edit, then
+    fresh processes, both tiers, that call activate() before importing the models' classes: every family's step
+    compiles nothing, no call is refused or missed, and the logits are transformers' eager attention's (1e-5)."""
+    import subprocess
 
-    import transformers
     from conftest import run_json
 
     from kernelpack.build import build_recipe
 
-    config_class, _, kwargs = family
-    recipe = tmp_path / "family.toml"
-    config = getattr(transformers, config_class)(**kwargs)
-    recipe.write_text(recipe_for(config, seq_lens=[256], dtype="float32", device="cpu", graphs=["fwd"]))
+    script = str(Path(families.__file__))
+    recipe = tmp_path / "families.toml"
+    cli = [sys.executable, "-m", "kernelpack.cli"]
+    subprocess.run([*cli, "record", "-o", str(recipe), "--", sys.executable, script], check=True, timeout=600)
     built = build_recipe(recipe, tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
-    for tier in tiers:
+    names = [f.name for f in families.FAMILIES if "cpu" in f.devices]
+    for tier in ("precompiled", "inductor-cache"):
         env = {"KERNELPACK_PRECOMPILED": "0"} if tier == "inductor-cache" else {}
-        run = [
-            sys.executable,
-            "-c",
-            FAMILY_JOB,
-            str(built.artifact),
-            str(tmp_path / f"cache-{tier}"),
-            json.dumps(family),
-        ]
-        out = run_json(run, env=env)
-        assert out["refused"] is None, (tier, out["refused"])
-        assert out["missed"] == 0 and out["tiers"] == [tier] and out["calls"] == kwargs["num_hidden_layers"], out
-        assert out["vs_eager"] < 1e-4, out
+        out = run_json(
+            [sys.executable, script, "--artifact", str(built.artifact), "--cache", str(tmp_path / tier)], env=env
+        )
+        assert list(out["families"]) == names, out
+        for name, result in out["families"].items():
+            assert result["refused"] is None, (tier, name, result)
+            assert result["compiles"] == 0 and result["misses"] == 0, (tier, name, result)
+            assert result["max_abs_error"] < 1e-5, (tier, name, result)
+        assert out["misses"] == 0 and out["refused"] == 0, out
+        assert {s["tier"] for s in out["served"]} == {tier}, out

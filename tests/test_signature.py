@@ -16,7 +16,7 @@ import torch
 from kernelpack.canonical import make_inputs
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import Config, load_recipe
-from kernelpack.signature import CallParams, CallSignature, mask_key, signature_of
+from kernelpack.signature import CallParams, CallSignature, layout_name, mask_key, signature_of
 
 ROOT = Path(__file__).resolve().parent.parent
 DFLASH = load_recipe(ROOT / "recipes" / "dflash-drafter.toml").configs[0]
@@ -158,7 +158,10 @@ def test_the_signature_sees_how_a_model_calls_flex() -> None:
     ]
     mixed = signature_of({"query": q, "key": k.contiguous(), "value": v, "enable_gqa": True}, "default", False)
     assert mixed.layout == "q=bshd k=bhsd v=bshd"
-    strided = signature_of({"query": q[:, :, ::2], "key": k, "value": v, "enable_gqa": True}, "default", False)
+    # every other position of a bshd q: rows twice as wide, which is all Dynamo's guards see of it
+    rows = signature_of({"query": q[:, :, ::2], "key": k, "value": v, "enable_gqa": True}, "default", False)
+    assert rows.layout == "q=bshd(row=128) k=bshd v=bshd"
+    strided = signature_of({"query": q[..., ::2], "key": k, "value": v, "enable_gqa": True}, "default", False)
     assert strided.layout.startswith("q=strided(")
 
 
@@ -185,6 +188,32 @@ def test_a_layout_is_named_by_the_strides_dynamo_guards_on_with_size_one_head_di
         assert k.stride() == real.stride(), (layout, k.stride(), real.stride())
     odd = torch.empty_strided((b, heads, s, d), (7 * s * d, s * d, d, 1))  # a size-1 batch dim with another stride
     assert signature_of({"query": odd, "key": odd, "value": odd}, "default", False).layout.startswith("strided(")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_slice_of_a_fused_projection_is_named_by_its_rows_and_made_again_so(dynamic: bool) -> None:
+    """Phi-3's v is a slice of qkv_proj(x)'s rows ([B, S, (Hq + 2 Hkv) D]); GPT-NeoX's a chunk of each head's 3 D:
+    neither is bshd, and Dynamo guards their strides. The signature names them by their rows ("bshd(row=128)",
+    "bshd(head=48,row=192)"), and the canonical inputs of those layouts have the model's strides (for a static graph
+    a view at the end of each row, as the model's v; for a dynamic one, not a view)."""
+    b, s, hq, hkv, d = 2, 64, 4, 2, 16
+    qkv = torch.randn(b, s, (hq + 2 * hkv) * d)
+    phi3 = qkv[..., (hq + hkv) * d :].view(b, s, hkv, d).transpose(1, 2)
+    neox = torch.randn(b, s, hq * 3 * d).view(b, s, hq, 3 * d).transpose(1, 2).chunk(3, dim=-1)[2]
+    for real, name, heads in ((phi3, "bshd(row=128)", hkv), (neox, "bshd(head=48,row=192)", hq)):
+        assert signature_of({"query": real, "key": real, "value": real}, "default", False).layout == name
+        config = Config(
+            mask="sliding_window", window=64, q_heads=4, kv_heads=heads, q_len=s, kv_len=s, head_dim=d, batch=b,
+            dtype="float32",
+            device="cpu", layout=f"q=bhsd k=bhsd v={name}", dynamic=dynamic,
+        )  # fmt: skip
+        q, _, v = make_inputs(config, "cpu")
+        assert v.stride() == real.stride() and q.is_contiguous(), (name, v.stride(), real.stride())
+        assert (v._base is not None) == (not dynamic), name
+    assert layout_name(torch.randn(b, s, hq, 32)[..., :d].transpose(1, 2)) == "bshd(head=32,row=128)"
+    assert layout_name(torch.randn(b, hq, s, 32)[..., :d]) == "bhsd(row=32)"
+    every_other_batch = torch.randn(2 * b, s, hq, d)[::2].transpose(1, 2)  # rows, but not one buffer of them
+    assert layout_name(every_other_batch).startswith("strided(")
 
 
 def test_mod_graphs_tell_what_a_function_computes_not_its_name() -> None:

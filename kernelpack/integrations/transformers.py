@@ -263,6 +263,18 @@ def causal_mask(config: Config) -> Callable[..., Any]:
     return causal_mask_function
 
 
+# Families whose q, k, v are slices of one fused projection (transformers 5.17): v's layout, by (q_heads, kv_heads,
+# head_dim). Phi-3 slices qkv_proj(x) ([B, S, (Hq + 2 Hkv) D]) into q, k, v; GPT-NeoX views query_key_value(x) as
+# [B, S, H, 3 D] and chunks each head's 3 D. Their q and k go through RoPE, whose output over a slice is contiguous.
+_FUSED_QKV: dict[str, Callable[[int, int, int], str]] = {
+    "phi3": lambda q, kv, d: f"bshd(row={(q + 2 * kv) * d})",
+    "phi4_multimodal": lambda q, kv, d: f"bshd(row={(q + 2 * kv) * d})",
+    "gpt_neox": lambda q, kv, d: f"bshd(head={3 * d},row={3 * kv * d})",
+}
+# Families with attention sinks (s_aux: transformers renormalizes flex's output with its lse, CUDA only)
+_SINKS = frozenset({"gpt_oss", "granite_swa", "granitemoe_swa", "mimo_v2_flash", "openai_privacy_filter"})
+
+
 def recipe_for(
     model_config: Any,
     *,
@@ -311,19 +323,29 @@ def recipe_for(
     scalar = getattr(model_config, "query_pre_attn_scalar", None) or head_dim
     scale = float(multiplier) if multiplier is not None else float(scalar) ** -0.5
     enable_gqa = not (q_heads & (q_heads - 1))  # else transformers repeats k, v to q_heads: contiguous copies
+    repeated = not enable_gqa and kv_heads != q_heads  # (repeat_kv by 1 returns k and v as they are)
     if not enable_gqa:
         kv_heads = q_heads
     # q and k are RoPE's outputs (elementwise over the transposed views): with more than one head they keep the
     # views' [B, S, H, D] order; with one head (multi-query attention, Gemma3) the order is ambiguous and torch makes
     # them contiguous, while v stays the view: layouts by their exact strides (kernelpack.signature.layout_of; what
     # `kernelpack record` writes for these models on CPU, torch 2.13, transformers 5.17)
-    q_layout = "bhsd" if q_heads == 1 else "bshd"
-    if use_cache or not enable_gqa:  # from the cache, or repeat_kv's copies: contiguous
+    model_type = str(getattr(model_config, "model_type", "model"))
+    fused = _FUSED_QKV.get(model_type)
+    if model_type in _SINKS and device == "cpu":
+        raise KernelpackError(
+            f"recipe_for: {model_type} has attention sinks, which transformers applies with flex's lse, and flex "
+            "returns no lse on CPU (transformers refuses the model with flex on CPU)",
+            hint='device="cuda"',
+        )
+    q_layout = "bhsd" if q_heads == 1 or fused else "bshd"  # a fused slice through RoPE: a contiguous copy
+    if use_cache or repeated:  # from the cache, or repeat_kv's copies: contiguous
         kv_layouts = ("bhsd", "bhsd")
+    elif fused:  # k through RoPE (contiguous), v the projection's slice as it is
+        kv_layouts = ("bhsd", fused(q_heads, kv_heads, head_dim))
     else:
         kv_layouts = ("bhsd" if kv_heads == 1 else "bshd", "bshd")
     layout = joined_layout((q_layout, *kv_layouts))
-    model_type = str(getattr(model_config, "model_type", "model"))
     top: dict[str, Any] = {"name": name or f"{model_type}-kernelpack", "device": device}
     if len(masks) == 1:
         top["mask"] = masks[0]["mask"]
