@@ -36,6 +36,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -1136,38 +1137,62 @@ def _not_warmed(
         failed = guard_failure(entry, arguments) if entry is not None else ""
         if warmed in warm.precompiled:  # tier 2 serves this signature: its guards, or kernelpack's code check, said no
             failed = warm.precompiled[warmed].guard_failure(arguments)
-            if not _runs_warmed_code(warm, arguments):
-                failed = (
+            if not _runs_warmed_code(warm, arguments):  # after what Dynamo says: its guard names the cause
+                failed = (f"{failed}; " if failed else "") + (
                     "the mask_mod or score_mod runs other code than the warmed one's (Dynamo's identity guard on "
                     "the mask_mod's code object, which kernelpack checks for a precompiled function)"
-                ) + (f"; {failed}" if failed else "")
+                )
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
             "Dynamo guards on: " + (failed or "(torch does not say which guard)")
         )
-        if "mask_mod" in failed:
-            hint = (
-                "build the BlockMask from the recipe's mask function (kernelpack.masks.sliding_window(W), or the "
-                "recipe's factory): another function object with other code is another Dynamo entry, even when it "
-                "computes the same"
-            )
-        elif "SUPPORTED_NODES" in failed:
-            # kernelpack's own graphs do not keep this guard (_torch.dynamo.guard_filter): a precompiled function
-            # of an older build does, or a graph traced outside kernelpack
-            hint = (
-                "a pytree node type was registered after activate() (importing a transformers model module "
-                "registers its output classes), and this graph keeps Dynamo's guard on their count: an artifact "
-                "built before kernelpack dropped that guard (2026-12-02). Rebuild the artifact, or import your model "
-                "code before kernelpack.runtime.activate()"
-            )
-        elif "GLOBAL_STATE" in failed or "dispatch" in failed.lower():
-            hint = (
-                "this call runs under other global torch state than the warm-up (autocast, deterministic "
-                "algorithms, inference_mode, ...), which Dynamo guards on: make the flex call outside autocast and "
-                "inference_mode (its inputs are already in the recipe's dtype), with the settings in force at "
-                "activate()"
-            )
+        hint = guard_hint(failed, sig) or hint
     return NotWarmedError(sig.describe(), reason, hint=hint)
+
+
+def guard_hint(failed: str, sig: CallSignature) -> str | None:
+    """The fix for the guard a warmed call fails (Dynamo's words, :func:`kernelpack.compiled.guard_failure`): a
+    tensor's strides or sizes (q, k, v laid out otherwise than the warm-up's, or a BlockMask's tables), the mask
+    function's code, a pytree node type registered late, global state. None when none of these is named."""
+    tensor = re.search(r"tensor '(.+?)' (stride|size|dtype|device|requires_grad)", failed)
+    if tensor is not None:  # first: a tensor guard is what failed, whatever else a code check says
+        source, what = tensor.group(1), tensor.group(2)
+        name = re.search(r"\['(\w+)'\]", source)
+        argument = name.group(1) if name else source
+        if argument in ("query", "key", "value"):
+            return (
+                f"{argument}'s {what}s differ from the warm-up's, which Dynamo guards on (this call's layout: "
+                f"{sig.layout}; a size-1 dim's stride counts, and with dynamic shapes a view is guarded through its "
+                "base): pass q, k, v as the recipe's layout says (kernelpack.signature.layout_of names a tensor's), "
+                "or record the job (kernelpack record) for the layouts it really passes and rebuild"
+            )
+        return (
+            f"{source}'s {what} differs from the warm-up's, which Dynamo guards on: build the BlockMask as the "
+            "recipe's (its mask_dims, block_size; kernelpack.masks.block_mask_for makes the warm-up's)"
+        )
+    if "mask_mod" in failed:
+        return (
+            "build the BlockMask from the recipe's mask function (kernelpack.masks.sliding_window(W), or the "
+            "recipe's factory): another function object with other code is another Dynamo entry, even when it "
+            "computes the same"
+        )
+    if "SUPPORTED_NODES" in failed:
+        # kernelpack's own graphs do not keep this guard (_torch.dynamo.guard_filter): a precompiled function
+        # of an older build does, or a graph traced outside kernelpack
+        return (
+            "a pytree node type was registered after activate() (importing a transformers model module "
+            "registers its output classes), and this graph keeps Dynamo's guard on their count: an artifact "
+            "built before kernelpack dropped that guard (2026-12-02). Rebuild the artifact, or import your model "
+            "code before kernelpack.runtime.activate()"
+        )
+    if "GLOBAL_STATE" in failed or "dispatch" in failed.lower():
+        return (
+            "this call runs under other global torch state than the warm-up (autocast, deterministic "
+            "algorithms, inference_mode, ...), which Dynamo guards on: make the flex call outside autocast and "
+            "inference_mode (its inputs are already in the recipe's dtype), with the settings in force at "
+            "activate()"
+        )
+    return None
 
 
 def _first_call_at_the_gate(

@@ -591,3 +591,37 @@ def test_a_child_forked_during_a_background_warm_up_fails_at_once_saying_why(
     )
     assert "forked while activate()'s background warm-up ran" in out["result"], out
     assert out["seconds"] < 1 and out["parent_done"]
+
+
+def test_a_warmed_call_that_fails_a_tensor_guard_is_told_its_layout_not_its_mask() -> None:
+    """Issue 35 item 2: Gemma3's refusal blamed the mask while Dynamo said stride. The hint follows the guard Dynamo
+    names, here a real one: a function compiled on k as transformers passes it with one kv head (the transposed
+    view: contiguous but for the size-1 head dim's stride), then called with a contiguous k; the hint names the
+    argument and its layout. A BlockMask table's guard gets the BlockMask's hint, the mask's code its own."""
+    import torch
+
+    def attend(query, key, value):  # type: ignore[no-untyped-def]
+        return query + key + value
+
+    compiled = torch.compile(attend, backend="eager", dynamic=False)
+    q = torch.randn(1, 2, 64, 32)
+    view = torch.randn(1, 64, 1, 32).transpose(1, 2)
+    compiled(q, view, view)
+    torch._dynamo.utils.guard_failures.clear()
+    compiled(
+        q, torch.randn(1, 1, 64, 32), view
+    )  # contiguous: strides (2048, 2048, 32, 1), the view's (2048, 32, 32, 1)
+    (reasons,) = torch._dynamo.utils.guard_failures.values()
+    failed = "; ".join(map(str, reasons))
+    assert "stride mismatch" in failed and "key" in failed, failed
+    sig = CallSignature(
+        device="cpu", batch=1, q_heads=2, kv_heads=1, q_len=64, kv_len=64, head_dim=32, dtype="float32",
+        layout="q=bhsd k=bhsd v=bshd", mask="m", device_index=None, graph="fwd",
+    )  # fmt: skip
+    hint = runtime.guard_hint(failed + "; the mask_mod or score_mod runs other code", sig)
+    assert hint is not None and hint.startswith("key's strides differ") and "q=bhsd k=bhsd v=bshd" in hint, hint
+    table = runtime.guard_hint("tensor 'L['block_mask'].kv_num_blocks' stride mismatch at index 0", sig)
+    assert table is not None and "BlockMask" in table, table
+    code = runtime.guard_hint("the mask_mod or score_mod runs other code than the warmed one's", sig)
+    assert code is not None and code.startswith("build the BlockMask from the recipe's mask function"), code
+    assert runtime.guard_hint("___check_obj_id(G['something'], 1234)", sig) is None
