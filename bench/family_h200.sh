@@ -19,8 +19,39 @@ art=$(ls $D/out/*.kpack | head -1)
 for run in 1 2 3; do
   $JOB ${REPLAY_FLAGS:-} --artifact "$art" --cache $D/cache-$run 2> "$OUT/replay-$run.log" | tail -1 | tee -a "$OUT/replay.txt"
 done
-# native: transformers' own flex_attention, cold (an empty inductor cache dir) then warm (the same dir) x2
-for run in cold warm1 warm2; do
-  TORCHINDUCTOR_CACHE_DIR=$D/native $JOB --attn flex_attention 2> "$OUT/native-$run.log" | tail -1 \
-    | sed "s/^/{\"arm\": \"native-$run\", \"line\": /; s/\$/}/" | tee -a "$OUT/native.txt"
+# native: transformers' own flex_attention, cold (an empty inductor cache dir each run), warm (the first cold run's
+# dir again), mega-cache (torch.compiler's cache artifacts saved by a warm run, loaded into an empty dir)
+N=${RUNS:-3}
+for run in $(seq 1 $N); do
+  TORCHINDUCTOR_CACHE_DIR=$D/native-$run $JOB --attn flex_attention 2> "$OUT/native-cold-$run.log" | tail -1 \
+    | sed "s/^/{\"arm\": \"cold\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
 done
+TORCHINDUCTOR_CACHE_DIR=$D/native-1 $JOB --attn flex_attention --mega-save $D/mega.bin > /dev/null 2> "$OUT/mega-save.log"
+for run in $(seq 1 $N); do
+  TORCHINDUCTOR_CACHE_DIR=$D/native-1 $JOB --attn flex_attention 2> "$OUT/native-warm-$run.log" | tail -1 \
+    | sed "s/^/{\"arm\": \"warm\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
+  TORCHINDUCTOR_CACHE_DIR=$D/mega-$run $JOB --attn flex_attention --mega-load $D/mega.bin 2> "$OUT/mega-$run.log" \
+    | tail -1 | sed "s/^/{\"arm\": \"mega-cache\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
+done
+sed 's/^/{"arm": "kernelpack", "line": /; s/$/}/' "$OUT/replay.txt" >> "$OUT/arms.jsonl"
+# one line per arm: medians over the fresh processes of activate() (or the mega-cache load) + the first step at
+# each length, and what the steps compiled
+python3 - "$OUT/arms.jsonl" <<'PY'
+import json, statistics, sys
+arms = {}
+for line in open(sys.argv[1]):
+    try:
+        row = json.loads(line)
+    except ValueError:
+        continue
+    arms.setdefault(row["arm"], []).append(row["line"])
+for arm, runs in arms.items():
+    total = statistics.median(r["activate_s"] + sum(r["step_s"]) for r in runs)
+    print(json.dumps({"arm": arm, "runs": len(runs), "median_activate_plus_steps_s": round(total, 2),
+                      "median_activate_s": round(statistics.median(r["activate_s"] for r in runs), 2),
+                      "median_steps_s": [round(statistics.median(r["step_s"][i] for r in runs), 2)
+                                         for i in range(len(runs[0]["step_s"]))],
+                      "compiles_in_steps": [r["compiles_in_steps"] for r in runs],
+                      "misses_in_steps": [r["misses_in_steps"] for r in runs],
+                      "refused": [r.get("report") and "refused" in (r["report"] or "") for r in runs]}))
+PY

@@ -28,18 +28,25 @@ ap.add_argument("--cache")
 ap.add_argument("--tiny", action="store_true")
 # gemma3 (issue 35): sliding and full layers, ONE kv head, head_dim 256, query_pre_attn_scalar; its k and v have other
 # strides than a contiguous tensor on the size-1 head dim, which Dynamo guards
-ap.add_argument("--family", choices=["mistral", "gemma3"], default="mistral")
+ap.add_argument("--family", choices=["mistral", "gemma3", "qwen3"], default="mistral")
 # flex_attention: transformers' own compiled flex path, the native arms (cold: an empty TORCHINDUCTOR_CACHE_DIR;
 # warm: the same dir again)
 ap.add_argument("--attn", choices=["kernelpack", "flex_attention"], default="kernelpack")
 # --import-after: the model classes imported after activate(), as a job's imports may go; their modules register the
 # models' output classes as pytree nodes, which Dynamo's guards counted before kernelpack dropped them
 ap.add_argument("--import-after", action="store_true")
+# the mega-cache arm (torch.compiler.save_cache_artifacts / load_cache_artifacts, torch's own portable cache):
+# --mega-save writes it after the steps; --mega-load loads it before them, timed as this arm's activate_s
+ap.add_argument("--mega-save")
+ap.add_argument("--mega-load")
 args = ap.parse_args()
 device = "cuda" if torch.cuda.is_available() else "cpu"
 if not args.import_after:
-    from transformers import Gemma3ForCausalLM, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
 t0 = time.perf_counter()
+if args.mega_load:
+    with open(args.mega_load, "rb") as f:
+        torch.compiler.load_cache_artifacts(f.read())
 if args.artifact:
     runtime.activate(args.artifact, cache_dir=args.cache)
 elif args.attn == "kernelpack":
@@ -48,7 +55,7 @@ evidence.watch_compiles()
 activate_s = time.perf_counter() - t0
 nodes = len(torch.utils._pytree.SUPPORTED_NODES)
 if args.import_after:
-    from transformers import Gemma3ForCausalLM, MistralForCausalLM
+    from transformers import Gemma3ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
 nodes_added = len(torch.utils._pytree.SUPPORTED_NODES) - nodes
 if args.family == "gemma3":
     cfg = transformers.Gemma3TextConfig(
@@ -57,6 +64,13 @@ if args.family == "gemma3":
         query_pre_attn_scalar=256, max_position_embeddings=16384,
     )  # fmt: skip
     model_class: type = Gemma3ForCausalLM
+elif args.family == "qwen3":  # alternating sliding-window and full layers (layer_types), GQA 8/2, q/k norms
+    cfg = transformers.Qwen3Config(
+        vocab_size=1024, hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, sliding_window=1024, use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=16384,
+    )  # fmt: skip
+    model_class = Qwen3ForCausalLM
 else:
     cfg, model_class = config(args.tiny), MistralForCausalLM
 cfg._attn_implementation = args.attn
@@ -74,6 +88,11 @@ for n in (int(x) for x in args.lengths.split(",")):
         torch.cuda.synchronize()
     steps.append(time.perf_counter() - start)
 records = evidence.compile_records(mark)
+if args.mega_save:
+    blob = torch.compiler.save_cache_artifacts()
+    assert blob is not None, "torch saved no cache artifacts"
+    with open(args.mega_save, "wb") as f:
+        f.write(blob[0])
 # kernelpack's lazy loads (KERNELPACK_LOAD=lazy, the default since b25de8b) are torch compile records with cache hits
 # only, tagged "kernelpack load": counted apart; misses count every record
 compiles = [r for r in records if r.tag is None]
