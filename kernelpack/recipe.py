@@ -403,18 +403,18 @@ def _validate(c: Config) -> None:
             value="fwd+bwd",
             allowed="['fwd'] when device = 'cpu'",
         )
-    if not isinstance(c.layout, str) or split_layout(c.layout) is None:
+    layouts = split_layout(c.layout) if isinstance(c.layout, str) else None
+    if layouts is None:
         raise ConfigError(
             "layout",
             "unknown layout",
             value=c.layout,
             allowed=(*LAYOUTS, "'bshd(row=R)'", "'bshd(head=P,row=R)'", "'bhsd(row=R)'", "'q=bshd k=bhsd v=bhsd'"),
         )
-    for name, layout, heads in zip("qkv", split_layout(c.layout), (c.q_heads, c.kv_heads, c.kv_heads), strict=True):
+    for name, layout, heads in zip("qkv", layouts, (c.q_heads, c.kv_heads, c.kv_heads), strict=True):
+        strides = parse_layout(layout)
         narrow = (
-            isinstance(heads, int)
-            and isinstance(c.head_dim, int)
-            and parse_layout(layout).too_narrow(heads, c.head_dim)
+            strides and isinstance(heads, int) and isinstance(c.head_dim, int) and strides.too_narrow(heads, c.head_dim)
         )
         if narrow:
             raise ConfigError("layout", f"{name}'s rows cannot hold its heads: {narrow}", value=c.layout)
@@ -445,8 +445,8 @@ def _validate(c: Config) -> None:
         raise ConfigError("mask_dims", "unknown value", value=c.mask_dims, allowed=MASK_DIMS)
     if c.alias not in ALIASES:
         raise ConfigError("alias", "unknown value", value=c.alias, allowed=ALIASES)
-    layouts = dict(zip("qkv", split_layout(c.layout) or ("?",) * 3, strict=True))
-    if c.alias in ALIASES and len({layouts[n] for n in c.alias.replace("=", "") if n in layouts}) > 1:
+    named = dict(zip("qkv", layouts, strict=True))
+    if c.alias in ALIASES and len({named[n] for n in c.alias.replace("=", "") if n in named}) > 1:
         raise ConfigError("alias", f"one tensor has one layout, but layout is {c.layout!r}", value=c.alias)
     if "q=" in c.alias and (c.q_heads, c.q_len) != (c.kv_heads, c.kv_len):
         raise ConfigError("alias", "q can be k or v only when q_heads == kv_heads and q_len == kv_len", value=c.alias)
