@@ -413,11 +413,11 @@ def _validate(c: Config) -> None:
         )
     for name, layout, heads in zip("qkv", layouts, (c.q_heads, c.kv_heads, c.kv_heads), strict=True):
         strides = parse_layout(layout)
-        narrow = (
-            strides and isinstance(heads, int) and isinstance(c.head_dim, int) and strides.too_narrow(heads, c.head_dim)
+        problem = (
+            strides and isinstance(heads, int) and isinstance(c.head_dim, int) and strides.problem(heads, c.head_dim)
         )
-        if narrow:
-            raise ConfigError("layout", f"{name}'s rows cannot hold its heads: {narrow}", value=c.layout)
+        if problem:
+            raise ConfigError("layout", f"{name}'s layout {layout!r}: {problem}", value=c.layout)
     if c.scale is not None and (
         isinstance(c.scale, bool) or not isinstance(c.scale, (int, float)) or not 0 < c.scale < math.inf
     ):  # not 0 < nan either: TOML has nan and inf

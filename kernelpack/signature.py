@@ -165,14 +165,19 @@ class Strides:
     head: int | None = None
     row: int | None = None
 
-    def too_narrow(self, h: int, d: int) -> str | None:
-        """Why rows of this layout cannot hold ``h`` heads of ``d`` (None when they can)."""
+    def problem(self, h: int, d: int) -> str | None:
+        """Why this layout cannot be one of ``h`` heads of ``d``, or is not written as :func:`layout_name` names
+        such a tensor (the call's signature would never equal it); None when it is."""
         head = self.head or d
         if head < d:
             return f"head={head} is narrower than head_dim {d}"
+        if self.head == d:
+            return f"head={head} is head_dim: write {self.order}(row={self.row}), as a call's layout reads"
         width = d if self.order == "bhsd" else h * head
         if self.row is not None and self.row < width:
             return f"row={self.row} is narrower than {'head_dim' if self.order == 'bhsd' else 'heads x head'} {width}"
+        if self.row == width and self.head is None:
+            return f"row={self.row} is dense: write {self.order!r}, as a call's layout reads"
         return None
 
     def strides(self, b: int, h: int, s: int, d: int) -> tuple[int, int, int, int]:
