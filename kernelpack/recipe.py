@@ -466,6 +466,17 @@ def _validate(c: Config) -> None:
             raise ConfigError(f"kernel_options.{k}", "must be a scalar", value=v, allowed="bool, int, float, str")
         if isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"kernel_options.{k}", "must be a finite number", value=v)
+        if k == "BACKEND" and isinstance(v, str) and v.upper() == "FLASH":
+            # flex's FLASH backend (torch >= 2.13 with flash-attn's CuTe DSL) compiles CuTe kernels, which are not
+            # inductor's Triton kernels and not in its cache: an artifact would not hold them, and the job's
+            # first call would compile them (or kernelpack would refuse it) whatever was built
+            raise ConfigError(
+                "kernel_options.BACKEND",
+                "the FLASH backend builds flash-attn's CuTe DSL kernels outside inductor's cache, which an artifact "
+                "cannot carry: every job would compile them at its first call",
+                value=v,
+                allowed="'TRITON', or no BACKEND (flex's Triton kernels, which kernelpack ships)",
+            )
 
 
 def _check_ranges(c: Config) -> None:

@@ -96,6 +96,7 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"compile": {"mode": "fast"}}, "compile.mode", "'fast'"),
         ({"compile": {"dynamic": "no"}}, "compile.dynamic", "boolean"),
         ({"kernel_options": {"BLOCK_M": [64]}}, "kernel_options.BLOCK_M", "scalar"),
+        ({"kernel_options": {"BACKEND": "flash"}}, "kernel_options.BACKEND", "CuTe DSL kernels outside"),
         ({"call": {"layout": "bsdh"}}, "call.layout", "'bsdh'"),
         ({"call": {"layout": "bshd(row=16)"}}, "call.layout", "q's layout 'bshd(row=16)': row=16 is narrower"),
         ({"call": {"layout": "bshd(row=512)"}}, "call.layout", "row=512 is dense: write 'bshd'"),
