@@ -149,7 +149,7 @@ def inputs(family: Family, length: int, device: str) -> dict[str, Any]:
     return {k: v.to(device) for k, v in out.items()}
 
 
-def valid(family: Family, batch: dict[str, Any]) -> Any:
+def valid(batch: dict[str, Any]) -> Any:
     """The positions whose logits mean something (a padded position's attention has no key: flex gives 0, eager a
     mean)."""
     mask = batch.get("attention_mask")
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.config._attn_implementation = reference
         model.zero_grad(set_to_none=True)
         ref_logits, ref_loss = step(model, batch, args.train)
-        keep = valid(BY_NAME[name], batch)
+        keep = valid(batch)
         diff = (logits.float() - ref_logits.float()).abs()
         results[name]["max_abs_error"] = float(diff[keep].max() if keep is not None else diff.max())
         if loss is not None:

@@ -266,9 +266,13 @@ def causal_mask(config: Config) -> Callable[..., Any]:
 # Families whose q, k, v are slices of one fused projection (transformers 5.17): v's layout, by (q_heads, kv_heads,
 # head_dim). Phi-3 slices qkv_proj(x) ([B, S, (Hq + 2 Hkv) D]) into q, k, v; GPT-NeoX views query_key_value(x) as
 # [B, S, H, 3 D] and chunks each head's 3 D. Their q and k go through RoPE, whose output over a slice is contiguous.
+def _sliced_qkv(q: int, kv: int, d: int) -> str:
+    return f"bshd(row={(q + 2 * kv) * d})"
+
+
 _FUSED_QKV: dict[str, Callable[[int, int, int], str]] = {
-    "phi3": lambda q, kv, d: f"bshd(row={(q + 2 * kv) * d})",
-    "phi4_multimodal": lambda q, kv, d: f"bshd(row={(q + 2 * kv) * d})",
+    "phi3": _sliced_qkv,
+    "phi4_multimodal": _sliced_qkv,
     "gpt_neox": lambda q, kv, d: f"bshd(head={3 * d},row={3 * kv * d})",
 }
 # Families with attention sinks (s_aux: transformers renormalizes flex's output with its lse, CUDA only)
