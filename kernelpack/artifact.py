@@ -2,7 +2,8 @@
 
 Layout::
 
-    manifest.json                 format, versions, recipe, configs, build key, every file's size and sha256
+    manifest.json                 format, versions, recipe, configs, build key, every file's size and sha256, and
+                                  the sha256 of all of that (``manifest_sha256``: a flipped bit anywhere is refused)
     cache/<path in the cache dir> one regular member per distinct content; a later file with the same content is a
                                   hard-link member pointing at the first one (tar's own dedup, so ``tar -x`` works)
 
@@ -46,7 +47,10 @@ from .keys import BuildKey, differences
 from .recipe import MAX_CONFIGS, Config, check_name
 from .signature import GRAPHS, CallSignature, Graph, mask_key
 
-FORMAT_VERSION = 4
+# 5: manifest_sha256 seals the manifest itself. Format 4's manifest was checked only where the installer reads it, so a
+# flipped bit in the recipe text, a timing or an unused field installed silently (34 of 60 flips at cf50a64).
+FORMAT_VERSION = 5
+SEAL = "manifest_sha256"
 # Tier 2's functions (kernelpack.precompiled), in the cache tree beside tier 1's files: packed, hashed and installed
 # with them
 PRECOMPILED_DIR = "kernelpack-precompiled"
@@ -383,14 +387,26 @@ class Manifest:
         return d
 
     def to_json(self) -> bytes:
-        return (json.dumps(self.to_dict(), sort_keys=True, indent=1) + "\n").encode()
+        return seal(self.to_dict())
 
     @classmethod
     def from_json(cls, blob: bytes, *, source: str) -> Manifest:
+        """Parse a manifest as written to an artifact: its seal must match before anything in it is believed."""
         try:
             data = json.loads(blob)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise ArtifactError(source, f"manifest.json is not valid JSON: {type(e).__name__}: {e}") from None
+        if isinstance(data, dict) and data.get("format") == FORMAT_VERSION:
+            data = dict(data)
+            sealed = data.pop(SEAL, None)
+            if sealed is None:
+                raise ArtifactError(source, f"manifest.json has no {SEAL}: it was not written by kernelpack's packer")
+            if sealed != _seal_of(data, source):
+                raise ArtifactError(
+                    source,
+                    f"manifest.json does not match its {SEAL} ({str(sealed)[:12]}...): it changed after it was "
+                    "written (a flipped bit in storage or transfer, or a hand edit); fetch or build the artifact again",
+                )
         return cls.from_dict(data, source=source)
 
     @classmethod
@@ -470,6 +486,24 @@ class Manifest:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ArtifactError(source, f"manifest.json is malformed: {where}: {type(e).__name__}: {e}") from None
+
+
+def _seal_of(data: Mapping[str, Any], source: str) -> str:
+    """The sha256 of ``data``'s canonical JSON: sorted keys, no spaces, ASCII; what :func:`seal` writes."""
+    try:
+        canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ArtifactError(source, f"manifest.json cannot be sealed: {type(e).__name__}: {e}") from None
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def seal(data: Mapping[str, Any]) -> bytes:
+    """``data`` as manifest.json bytes, with :data:`SEAL` over everything else in it.
+
+    The seal is computed over the JSON round trip of ``data`` (what a reader will parse), so a tuple, a float's
+    repr or a key order cannot make the reader's digest differ from the writer's."""
+    plain = json.loads(json.dumps({k: v for k, v in data.items() if k != SEAL}))
+    return (json.dumps({**plain, SEAL: _seal_of(plain, MANIFEST_NAME)}, sort_keys=True, indent=1) + "\n").encode()
 
 
 def _list(value: object) -> list[Any]:

@@ -150,7 +150,7 @@ def raw_artifact(path: Path, manifest: dict, members: list[tuple[tarfile.TarInfo
     """Write an arbitrary (possibly hostile) archive: kernelpack's reader must judge it, not this writer."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        blob = json.dumps(manifest).encode()
+        blob = art.seal(manifest)  # sealed as the packer would: what is tried is the reader's checks behind the seal
         ti = tarfile.TarInfo("manifest.json")
         ti.size = len(blob)
         tar.addfile(ti, io.BytesIO(blob))
@@ -278,6 +278,53 @@ def test_manifest_with_wrong_types_is_refused(tmp_path: Path, field: str, value:
         art.read_manifest(tmp_path / "m.kpack")
 
 
+def _with_manifest(path: Path, out: Path, blob: bytes) -> None:
+    """``path``'s archive with its manifest member's bytes replaced by ``blob`` (header resized to match)."""
+    src = tarfile.open(fileobj=io.BytesIO(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst:
+        for ti in src.getmembers():
+            data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
+            if ti.name == art.MANIFEST_NAME:
+                data, ti.size = blob, len(blob)
+            dst.addfile(ti, io.BytesIO(data) if data is not None else None)
+    out.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+
+
+def test_every_bit_flipped_in_the_manifest_is_refused_by_its_seal(tmp_path: Path) -> None:
+    """Format 5 seals manifest.json with the sha256 of its canonical JSON: a flip in a field no check reads
+    (``created``, the recipe text, a timing) is refused as surely as one in a file's sha256. Every byte of a real
+    manifest is flipped (bit ``offset % 8``); each must be refused, never install."""
+    content = make_tree(tmp_path / "t")
+    pack_tree(tmp_path / "t", tmp_path / "a.kpack")
+    blob = zstandard.ZstdDecompressor().decompressobj().decompress((tmp_path / "a.kpack").read_bytes())
+    first = tarfile.open(fileobj=io.BytesIO(blob)).next()
+    assert first is not None and first.name == art.MANIFEST_NAME
+    manifest = blob[first.offset_data : first.offset_data + first.size]
+    assert consume(tmp_path / "a.kpack", art.read_manifest(tmp_path / "a.kpack")) == content
+    refused: dict[str, int] = {}
+    for i in range(len(manifest)):
+        flipped = bytearray(manifest)
+        flipped[i] ^= 1 << (i % 8)
+        _with_manifest(tmp_path / "a.kpack", tmp_path / "f.kpack", bytes(flipped))
+        with pytest.raises(ArtifactError) as e:
+            art.read_manifest(tmp_path / "f.kpack")
+        reason = "seal" if art.SEAL in str(e.value) else "other"
+        refused[reason] = refused.get(reason, 0) + 1
+    assert sum(refused.values()) == len(manifest) and refused["seal"] > 0, refused
+
+    data = json.loads(manifest)
+    _with_manifest(tmp_path / "a.kpack", tmp_path / "e.kpack", json.dumps({**data, "created": 7}).encode())
+    with pytest.raises(ArtifactError, match=rf"does not match its {art.SEAL} .*changed after it was written"):
+        art.read_manifest(tmp_path / "e.kpack")
+    unsealed = {k: v for k, v in data.items() if k != art.SEAL}
+    _with_manifest(tmp_path / "a.kpack", tmp_path / "u.kpack", json.dumps(unsealed).encode())
+    with pytest.raises(ArtifactError, match=rf"has no {art.SEAL}"):
+        art.read_manifest(tmp_path / "u.kpack")
+    _with_manifest(tmp_path / "a.kpack", tmp_path / "r.kpack", art.seal({**data, "created": 7}))  # resealed: accepted
+    assert art.read_manifest(tmp_path / "r.kpack").created == 7
+
+
 def test_unopenable_paths_are_artifact_errors(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ArtifactError, match="cannot open"):
@@ -357,8 +404,10 @@ def test_a_manifest_of_format_1_is_refused_and_format_2_needs_every_mask_key() -
     """Format 2 (issue 33: mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
     formats, and a config without its mask_key is malformed (the label is no longer what a mask computes)."""
     old = with_configs({"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"})
-    for fmt in range(1, art.FORMAT_VERSION):  # 3: marks (issue 33); 4: content-addressed tier 2 (issue 34)
-        with pytest.raises(ArtifactError, match=rf"unsupported artifact format {fmt} \(this kernelpack reads 4\)"):
+    # 3: marks (issue 33); 4: content-addressed tier 2 (issue 34); 5: the manifest sealed by its own sha256
+    for fmt in range(1, art.FORMAT_VERSION):
+        reads = rf"unsupported artifact format {fmt} \(this kernelpack reads {art.FORMAT_VERSION}\)"
+        with pytest.raises(ArtifactError, match=reads):
             art.Manifest.from_dict({**old, "format": fmt}, source="old")
     with pytest.raises(ArtifactError, match="configs: TypeError: mask_key must be a string"):
         art.Manifest.from_dict(with_configs({"params": PARAMS, "devices": [0]}), source="old")
