@@ -31,7 +31,7 @@ from .canonical import marks as canonical_marks
 from .compiled import free_mask_values, key_settings, marking, trace_settings
 from .errors import BuildError, KernelpackError, RecipeError, printable
 from .keys import BuildKey, probe
-from .masks import block_mask_for
+from .masks import block_mask_for, rows_guaranteed_safe_problem
 from .recipe import Config, Recipe, load_recipe
 from .signature import Graph, mask_key
 from .workload import check_errors, range_lengths, run_config
@@ -549,6 +549,9 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.set_device(index)
     before = evidence.snapshot()
     lengths = range_lengths(config, 2, seed=int(config.id, 16))
+    unsafe = rows_guaranteed_safe_problem(config, device, lengths)
+    if unsafe:  # refused before compiling: the kernel would be shipped computing NaN (its reference is not Triton's)
+        return {"problem": unsafe, "build_key": probe(config.device, index).to_dict(), "errors": {}, "counters": {}}
     # a dynamic config's graph: symbolic in what differs between the ends of its ranges, static in the rest
     marks = canonical_marks(config, device)
     with marking(marks):

@@ -267,3 +267,92 @@ def block_mask_for(config: Config, device: str | Any, mask_mod: MaskMod | None =
 
 def _dim_size(config: Config, dim: str) -> int:
     return config.batch if dim == "per-batch" else config.q_heads
+
+
+# flex's Triton forward tiles a KV block into BLOCK_N keys; autotuning may pick 16 (torch 2.11-2.15's
+# template_heuristics/flex configs), so without a fixed BLOCK_N the first tile is assumed to be 16 keys
+SMALLEST_TILE = 16
+
+
+def first_tile_gaps(
+    bm: BlockMask, tile: int = SMALLEST_TILE, *, limit: int | None = 1, max_elements: int = 1 << 22
+) -> list[dict[str, int]]:
+    """The rows of ``bm`` that ``kernel_options.ROWS_GUARANTEED_SAFE = True`` would turn into NaN, sorted by (batch,
+    head, row): all of them (``limit`` None) or the first ``limit`` found; empty when the promise holds.
+
+    What the option needs is stronger than "every row keeps a key" (torch 2.15's kernel_options docs): the forward
+    kernel starts each row's running maximum at -inf and, with the option, no longer sanitizes it, so a row must keep
+    a key in the first ``tile`` keys of the first KV block scheduled for it. That is the first partial block when its
+    q block has any (they run before the full blocks), else a full block, which is safe. A q block with no block
+    scheduled at all fails every row. Each gap: batch, head, row and the keys of that first tile (``block`` -1: none
+    scheduled). Keys past kv_len count as masked; rows past q_len are not checked."""
+    import torch
+
+    q_len, kv_len = bm.seq_lengths
+    q_block, kv_block = bm.BLOCK_SIZE
+    num = bm.kv_num_blocks
+    full = bm.full_kv_num_blocks if bm.full_kv_num_blocks is not None else torch.zeros_like(num)
+    device = num.device
+    gaps: list[dict[str, int]] = []
+    for b, h, i in ((num == 0) & (full == 0)).nonzero().tolist():
+        for row in range(i * q_block, min((i + 1) * q_block, q_len)):
+            gaps.append({"batch": b, "head": h, "row": row, "block": -1, "first_key": -1, "last_key": -1})
+    scheduled = (num > 0).nonzero()  # [N, 3]: (b, h, q block) whose first block is partial
+    if len(scheduled):
+        first = bm.kv_indices[scheduled[:, 0], scheduled[:, 1], scheduled[:, 2], 0].long()
+        rows = scheduled[:, 2, None] * q_block + torch.arange(q_block, device=device)  # [N, q_block]
+        keys = first[:, None] * kv_block + torch.arange(tile, device=device)  # [N, tile]
+        evaluate = torch.vmap(bm.mask_mod)
+        step = max(1, max_elements // (q_block * tile))
+        for start in range(0, len(scheduled), step):
+            if limit is not None and len(gaps) >= limit:
+                break
+            s = slice(start, start + step)
+            shape = (len(scheduled[s]), q_block, tile)
+            b_, h_ = scheduled[s, 0, None, None].expand(shape), scheduled[s, 1, None, None].expand(shape)
+            q, k = rows[s, :, None].expand(shape), keys[s, None, :].expand(shape)
+            # indices past the lengths clamped: a mask over a tensor of the sequence's size must not index past it
+            qc, kc = q.clamp(max=q_len - 1), k.clamp(max=kv_len - 1)
+            kept = evaluate(b_.reshape(-1), h_.reshape(-1), qc.reshape(-1), kc.reshape(-1)).reshape(shape)
+            ok = (kept & (k < kv_len)).any(-1) | (rows[s] >= q_len)
+            for j, r in (~ok).nonzero().tolist():
+                at = start + j
+                key0 = int(first[at]) * kv_block
+                b, h = int(scheduled[at, 0]), int(scheduled[at, 1])
+                gaps.append({"batch": b, "head": h, "row": int(rows[at, r]), "block": int(first[at]),
+                             "first_key": key0, "last_key": key0 + tile - 1})  # fmt: skip
+    gaps.sort(key=lambda g: (g["batch"], g["head"], g["row"]))
+    return gaps if limit is None else gaps[:limit]
+
+
+def rows_guaranteed_safe_problem(config: Config, device: str | Any, lengths: list[tuple[int, int]]) -> str | None:
+    """Why ``config``'s ``kernel_options`` ROWS_GUARANTEED_SAFE promise fails at its length or one of ``lengths``
+    (:func:`first_tile_gaps` on the canonical BlockMask), or None: no promise, or it holds there. The build refuses the
+    config rather than ship a kernel that computes NaN for those rows (eager and the build's CPU reference would not
+    show it: only flex's Triton kernel skips the guard)."""
+    options = dict(config.kernel_options)
+    if not any(options.get(k) is True for k in ("ROWS_GUARANTEED_SAFE", "fwd_ROWS_GUARANTEED_SAFE")):
+        return None
+    tile = options.get("fwd_BLOCK_N", options.get("BLOCK_N", SMALLEST_TILE))
+    tile = tile if isinstance(tile, int) and not isinstance(tile, bool) and tile > 0 else SMALLEST_TILE
+    for q, kv in [(config.q_len, config.kv_len), *lengths]:
+        at = config if (q, kv) == (config.q_len, config.kv_len) else config.at(q, kv)
+        gaps = first_tile_gaps(block_mask_for(at, device), min(tile, at.block_size[1]))
+        if not gaps:
+            continue
+        gap = gaps[0]
+        where = f"at q_len {q}, kv_len {kv}: row {gap['row']} (batch {gap['batch']}, head {gap['head']})"
+        if gap["block"] < 0:
+            what = "has no KV block scheduled at all"
+        else:
+            what = (
+                f"keeps no key among keys {gap['first_key']}..{gap['last_key']}, the first {tile} of KV block "
+                f"{gap['block']}, the first one its query block runs"
+            )
+        return (
+            f"kernel_options.ROWS_GUARANTEED_SAFE = true, but {where} {what}: flex's Triton kernel computes NaN for "
+            "such a row under compile (torch's kernel_options docs; local and windowed masks often break it). Drop "
+            "the option (flex's default, false, is exact), or fix BLOCK_N to a tile every row's first block keeps a "
+            f"key in (the check assumes {tile} keys)"
+        )
+    return None

@@ -800,6 +800,8 @@ def _range_table(recorded: list[Config], lengths: Lengths | None) -> tuple[dict[
     tied = all(q == kv for q, kv in lens)
     qs, kvs = sorted({q for q, _ in lens}), sorted({kv for _, kv in lens})
     where = f"{len(lens)} lengths were recorded, q_len {qs[0]}..{qs[-1]}, kv_len {kvs[0]}..{kvs[-1]}"
+    if len(lens) == 1:
+        where = f"one length was recorded, q_len {qs[0]}, kv_len {kvs[0]}"
     # calls made through guarded(dynamic=True) are served by dynamic graphs only
     if lengths is not None and lengths.multiple is not None and first.dynamic:
         raise RecordError(

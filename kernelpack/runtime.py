@@ -1289,6 +1289,18 @@ def length_hint(coverage: Coverage) -> str | None:
     if not diffs or any(name not in ("q_len", "kv_len") for name, _, _ in diffs):
         return None
     told = ", ".join(f"{name} {value} (covered: {covered})" for name, covered, value in diffs)
+    near = coverage.nearest[0].signature
+    blocks = {"q_len": near.block_size[0], "kv_len": near.block_size[1]}
+    small = [(n, v) for n, covered, v in diffs if isinstance(covered, str) and ".." in covered and v <= blocks[n]]
+    if small:
+        # torch specializes a length of one block or less (its BlockMask has one block): no dynamic range can hold it
+        name, value = small[0]
+        key = "seq_len" if len(small) == 2 and small[0][1] == small[1][1] else name
+        return (
+            f"{told}: a {name} of one block ({blocks[name]}) or less is its own static graph, never part of a dynamic "
+            f"range: add a [[calls]] table with {key} = {value} (or record a step at that length) and rebuild, or pad "
+            "the batch into the range (kernelpack.runtime.padded_lengths)"
+        )
     return (
         f"{told}: widen the range (kernelpack record --lengths MIN:MAX, or the recipe's {{ min, max }}) and rebuild, "
         "pad the batch to a covered length (kernelpack.runtime.padded_lengths), or add a bucket for it"

@@ -518,3 +518,39 @@ def test_the_drafter_job_trains_in_threads_at_every_context_length_with_no_compi
     out = run_json([*run, "--threads", "3", "--steps", "6", "--seed", "5"])
     assert (out["errors"], out["missed"], out["refused"], out["compiled"], out["dense"]) == ([], 0, [], 0, 0), out
     assert out["frames_compiled"] == 0 and out["served"], out
+
+
+ROWS_SAFE = r"""
+import json, sys
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from kernelpack.masks import first_tile_gaps, sliding_window
+
+out = {}
+flex = torch.compile(flex_attention)
+for window, block_n in [(200, 32), (200, 64), (4096, 32), (300, 64)]:
+    n = 1024
+    mask = sliding_window(window)
+    bm = create_block_mask(mask, None, None, n, n, device="cuda")
+    q, k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    options = {"ROWS_GUARANTEED_SAFE": True, "BLOCK_M": 64, "BLOCK_N": block_n}
+    o = flex(q, k, v, block_mask=bm, kernel_options=options)
+    nan_rows = sorted(set(torch.isnan(o).any(-1).nonzero()[:, 2].tolist()))
+    safe = flex(q, k, v, block_mask=bm)  # flex's default: the guard kept
+    gaps = sorted({g["row"] for g in first_tile_gaps(bm, block_n, limit=None)})
+    out[f"{window}/{block_n}"] = {"nan_rows": nan_rows, "gaps": gaps, "default_nan": bool(torch.isnan(safe).any())}
+print(json.dumps(out))
+"""
+
+
+def test_rows_guaranteed_safe_turns_exactly_the_rows_first_tile_gaps_finds_into_nan(tmp_path: Path) -> None:
+    """Issue 35 item 5, against flex's real Triton kernel: with ROWS_GUARANTEED_SAFE and a fixed BLOCK_N, the rows the
+    compiled forward returns as NaN are the rows first_tile_gaps(bm, BLOCK_N) names: none for a window wider than the
+    sequence (causal), some for sliding windows, and fewer with a wider tile. flex's default is never NaN. The build
+    refuses such a config by that check (tests/test_workload.py), before compiling."""
+    out = run_json([sys.executable, "-c", ROWS_SAFE], timeout=900)
+    for case, r in out.items():
+        assert r["nan_rows"] == r["gaps"], (case, r["nan_rows"][:8], r["gaps"][:8])
+        assert not r["default_nan"], case
+    assert not out["4096/32"]["gaps"] and out["200/32"]["gaps"] and out["300/64"]["gaps"], out
+    assert set(out["200/64"]["gaps"]) < set(out["200/32"]["gaps"]), out

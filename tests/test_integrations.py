@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 pytest.importorskip("transformers")
 
@@ -245,3 +246,49 @@ def test_every_family_records_builds_and_replays_with_no_compile(tmp_path: Path)
             assert result["max_abs_error"] < 1e-5, (tier, name, result)
         assert out["misses"] == 0 and out["refused"] == 0, out
         assert {s["tier"] for s in out["served"]} == {tier}, out
+
+
+# the families whose calls differ in what a dynamic graph must keep symbolic: Gemma3's two layer kinds (one kv head,
+# head_dim 256), Phi-3's fused projection (a strided view), packed documents and a padded batch (masks over tensors
+# whose size follows the length)
+DYNAMIC_FAMILIES = ("gemma3", "phi3", "llama-packed", "llama-padded")
+
+
+# once: a record, a build of 5 dynamic configs and 3 fresh processes, about 2 minutes
+@pytest.mark.once
+def test_families_recorded_at_one_length_with_lengths_are_served_at_another(tmp_path: Path) -> None:
+    """Issue 35 item 4: one recorded step with `kernelpack record --lengths 129:1024` yields an artifact for the job's
+    every length: replayed at a length never recorded (384), in a fresh process that activates before importing the
+    models, each family compiles nothing, is never refused, and computes eager attention's logits (1e-5). A length
+    past the range is refused naming the covered range and the fix."""
+    import subprocess
+
+    from conftest import run_json
+
+    from kernelpack.build import build_recipe
+
+    script = str(Path(families.__file__))
+    recipe = tmp_path / "families.toml"
+    record = [sys.executable, "-m", "kernelpack.cli", "record", "-o", str(recipe), "--lengths", "129:1024", "--"]
+    subprocess.run(
+        [*record, sys.executable, script, "--length", "256", "--families", ",".join(DYNAMIC_FAMILIES)],
+        check=True,
+        timeout=600,
+    )
+    written = tomllib.loads(recipe.read_text())["calls"]
+    assert {str(c.get("seq_len")) for c in written} == {"{'min': 129, 'max': 1024}"} and all(
+        c["dynamic"] for c in written
+    )
+    built = build_recipe(recipe, tmp_path / "out", jobs=2)
+    assert built.artifact is not None and not built.failed
+    replay = [sys.executable, script, "--artifact", str(built.artifact), "--cache", str(tmp_path / "cache")]
+    out = run_json([*replay, "--length", "384", "--families", ",".join(DYNAMIC_FAMILIES)])
+    assert list(out["families"]) == list(DYNAMIC_FAMILIES), out
+    for name, result in out["families"].items():
+        assert result["refused"] is None, (name, result)
+        assert result["compiles"] == 0 and result["misses"] == 0, (name, result)
+        assert result["max_abs_error"] < 1e-5, (name, result)
+    assert out["misses"] == 0 and out["refused"] == 0, out
+    past = run_json([*replay, "--length", "1100", "--families", "llama-padded"])["families"]["llama-padded"]["refused"]
+    assert past is not None and past.startswith("NotPrecompiledError"), past
+    assert "q_len 1100 (covered: 129..1024)" in past and "kernelpack record --lengths MIN:MAX" in past, past

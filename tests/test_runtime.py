@@ -251,6 +251,34 @@ def test_refusal_names_the_device_fix_only_when_the_device_is_all_that_differs()
     assert "widen the range" in lengths_only.hint and "padded_lengths" in lengths_only.hint
 
 
+def test_a_length_of_one_block_outside_a_dynamic_range_is_told_it_needs_its_own_table(tmp_path: Path) -> None:
+    """A dynamic range starts above one block (torch specializes a one-block BlockMask): a call at 128 or below is
+    told to add a static table, not to widen the range (which the recipe would refuse); a call above the range is told
+    to widen it. Each hint names the covered range and the call's length."""
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        'name = "r"\ndevice = "cpu"\n[[calls]]\nmask = "sliding_window"\nwindow = 64\nbatch = 1\nq_heads = 4\n'
+        "kv_heads = 2\n"
+        'seq_len = { min = 129, max = 1024 }\nhead_dim = 16\ndtype = "float32"\ngraphs = ["fwd"]\ndynamic = true\n'
+    )
+    config = load_recipe(recipe).configs[0]
+    manifest = _built_on_device_0(config)
+
+    def hint(length: int) -> str:
+        call = dataclasses.replace(config, q_len=length, kv_len=length, q_range=None, kv_range=None)
+        err = runtime.refusal(manifest.covers(call.signature(0, "fwd")), "a.kpack")
+        assert err.hint is not None, err
+        return err.hint
+
+    for length in (128, 64):
+        small = hint(length)
+        assert f"q_len {length} (covered: 129..1024)" in small and f"seq_len = {length}" in small, small
+        assert "widen the range" not in small and "one block (128)" in small, small
+    big = hint(2048)
+    assert "q_len 2048 (covered: 129..1024)" in big and "widen the range" in big and "one block" not in big, big
+    assert manifest.covers(dataclasses.replace(config, q_len=129, kv_len=129).signature(0, "fwd")).covered
+
+
 def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too() -> None:
     """Non-strict mode after the warm-up refuses an uncovered call as well (NotWarmedError: tracing it could hang
     threads); an unpinned torchrun rank on cuda:3 must get the same device fix as in strict mode, not "add it to the

@@ -84,3 +84,40 @@ def test_reference_gradients_of_aliased_inputs_are_what_autograd_returns(alias: 
     _, *separate = reference_attention(c, q, k, v, do)
     for got, want in zip(_aliased(separate, alias), autograd, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_rows_guaranteed_safe_is_refused_by_the_build_where_a_row_would_be_nan(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """kernel_options.ROWS_GUARANTEED_SAFE = true on a sliding window (the case torch's docs warn about): the build
+    refuses the config before compiling, naming the row, the KV block and the fix, and writes no artifact. The same
+    promise on a window wider than the sequence (causal) holds; BLOCK_N is the tile checked, and a dynamic range is
+    checked at its ends too."""
+    from kernelpack.build import build_recipe
+    from kernelpack.errors import BuildError
+    from kernelpack.masks import rows_guaranteed_safe_problem
+
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        'name = "r"\ndevice = "cpu"\n[[calls]]\nmask = "sliding_window"\nwindow = 200\nbatch = 1\nq_heads = 2\n'
+        'kv_heads = 2\nseq_len = 512\nhead_dim = 16\ndtype = "float32"\ngraphs = ["fwd"]\n'
+        "[calls.kernel_options]\nROWS_GUARANTEED_SAFE = true\n"
+    )
+    with pytest.raises(BuildError) as e:
+        build_recipe(recipe, tmp_path / "out", jobs=1)
+    text = str(e.value)
+    assert "kernel_options.ROWS_GUARANTEED_SAFE = true, but at q_len 512, kv_len 512: row 215" in text, text
+    assert "keys 0..15, the first 16 of KV block 0" in text and "Drop the option" in text, text
+    assert not list(tmp_path.rglob("*.kpack")), list(tmp_path.rglob("*.kpack"))
+
+    promise = cfg(window=200, q_len=512, kv_len=512, kernel_options=(("ROWS_GUARANTEED_SAFE", True),))
+    assert "row 215" in (rows_guaranteed_safe_problem(promise, "cpu", []) or "")
+    assert rows_guaranteed_safe_problem(cfg(window=200, q_len=512, kv_len=512), "cpu", []) is None  # no promise
+    causal = cfg(window=4096, q_len=512, kv_len=512, kernel_options=promise.kernel_options)
+    assert rows_guaranteed_safe_problem(causal, "cpu", []) is None
+    # row 215's window starts at key 16: a 16-key tile misses it, a 32-key one (BLOCK_N = 32) does not; row 231's
+    # starts at 32, so BLOCK_N = 32 finds that one
+    wide = cfg(window=200, q_len=512, kv_len=512, kernel_options=(("BLOCK_N", 32), ("ROWS_GUARANTEED_SAFE", True)))
+    assert "row 231" in (rows_guaranteed_safe_problem(wide, "cpu", []) or "")
+    # at one block every row's first tile keeps key 0; a length the check is also given (a range's end) does not
+    small = cfg(window=200, q_len=128, kv_len=128, kernel_options=promise.kernel_options)
+    assert rows_guaranteed_safe_problem(small, "cpu", []) is None
+    assert "at q_len 512, kv_len 512" in (rows_guaranteed_safe_problem(small, "cpu", [(512, 512)]) or "")
