@@ -4,6 +4,8 @@
 # rounded), 20 steps. Writes JSON lines and logs under $OUT.
 #   bash bench/dflash_h200.sh a   # record (no option), build --jobs 8, kernelpack x3, cold x1 (saves a mega-cache)
 #   bash bench/dflash_h200.sh b   # cold x2 more, native warm x3 (the cold runs' cache dirs), mega-cache x3
+#   bash bench/dflash_h200.sh e   # issue 36, the background start as the default: record, build, cold x1, then
+#                                 # kernelpack, kernelpack --foreground and native warm alternated, RUNS (3) each
 #   bash bench/dflash_h200.sh d   # issue 36: record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
 #                                 # the default (eager), cold x1, native warm x2 (its cache dir): one run
 # Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
@@ -86,6 +88,21 @@ if [[ ${1:-a} == bg ]]; then
   done
   python3 bench/start_floor.py --artifact $D/out/*.kpack --runs 1 --out "$OUT/floor.jsonl" 2> "$OUT/floor-profile.txt"
   START_BACKGROUND=1 python3 bench/start_floor.py --artifact $D/out/*.kpack --runs 1 --mode job | tee -a "$OUT/floor.jsonl"
+  if [[ -n ${TESTS:-} ]]; then
+    timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
+  fi
+fi
+# e: issue 36 with the background start as activate()'s default: record, build, cold x1, then alternated fresh
+# processes: kernelpack as shipped (activate()), kernelpack with activate(warmup=True) (--foreground), native warm
+# (the cold run's cache dir); RUNS of each (3); then the GPU tests TESTS names
+if [[ ${1:-a} == e ]]; then
+  record_build
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
+  for r in $(seq 1 ${RUNS:-3}); do
+    arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
+    arm kernelpack-fg $r --artifact $D/out/*.kpack --cache $D/kpf-cache-$r --foreground
+    TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
+  done
   if [[ -n ${TESTS:-} ]]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
   fi

@@ -3,13 +3,21 @@
 # step with reentrant checkpointing at each length), the replay in fresh processes after activate().
 #   FAMILY=gemma3 LENGTHS=2048,4096 bash bench/family_h200.sh
 # REPLAY_FLAGS (e.g. --import-after: the model classes imported after activate()) go to the replays only.
+# BUCKETS=512 FAMILY=mistral: the recipe is bench/varlen_train.py's buckets of 512 over 1024..16384 (31 configs, fwd
+# and fwd+bwd: 62 signatures), not a recording (issue 36's 31-bucket artifact). RUNS (3) fresh processes per arm,
+# COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm.
 set -uo pipefail
 source bench/device_env.sh
 FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
 D=/tmp/fam; rm -rf $D; mkdir -p $D
 JOB="python3 bench/tf_train_step.py --family $FAMILY --lengths $LENGTHS"
 s=$(date +%s)
-python3 -m kernelpack.cli record -o $D/r.toml -- $JOB > "$OUT/record.log" 2>&1; echo "record exit $? in $(( $(date +%s) - s )) s"
+if [[ -n ${BUCKETS:-} ]]; then  # issue 36's (b): not recorded, the bucketed recipe of bench/varlen_train.py (Mistral)
+  python3 bench/varlen_train.py --write-recipe $D/r.toml --multiple $BUCKETS --graphs fwd,fwd+bwd > "$OUT/record.log" 2>&1
+  echo "recipe (buckets of $BUCKETS) exit $?"
+else
+  python3 -m kernelpack.cli record -o $D/r.toml -- $JOB > "$OUT/record.log" 2>&1; echo "record exit $? in $(( $(date +%s) - s )) s"
+fi
 grep -E "layout|kv_heads|seq_len|mask =" $D/r.toml | sort | uniq -c | tee "$OUT/recipe-lines.txt"
 cp $D/r.toml "$OUT/$FAMILY.toml"
 s=$(date +%s)
@@ -22,16 +30,17 @@ done
 # native: transformers' own flex_attention, cold (an empty inductor cache dir each run), warm (the first cold run's
 # dir again), mega-cache (torch.compiler's cache artifacts saved by a warm run, loaded into an empty dir)
 N=${RUNS:-3}
-for run in $(seq 1 $N); do
+for run in $(seq 1 ${COLD_RUNS:-$N}); do
   TORCHINDUCTOR_CACHE_DIR=$D/native-$run $JOB --attn flex_attention 2> "$OUT/native-cold-$run.log" | tail -1 \
     | sed "s/^/{\"arm\": \"cold\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
 done
-TORCHINDUCTOR_CACHE_DIR=$D/native-1 $JOB --attn flex_attention --mega-save $D/mega.bin > /dev/null 2> "$OUT/mega-save.log"
+[[ ${MEGA:-1} == 1 ]] && TORCHINDUCTOR_CACHE_DIR=$D/native-1 $JOB --attn flex_attention --mega-save $D/mega.bin \
+  > /dev/null 2> "$OUT/mega-save.log"
 for run in $(seq 1 $N); do
   TORCHINDUCTOR_CACHE_DIR=$D/native-1 $JOB --attn flex_attention 2> "$OUT/native-warm-$run.log" | tail -1 \
     | sed "s/^/{\"arm\": \"warm\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
-  TORCHINDUCTOR_CACHE_DIR=$D/mega-$run $JOB --attn flex_attention --mega-load $D/mega.bin 2> "$OUT/mega-$run.log" \
-    | tail -1 | sed "s/^/{\"arm\": \"mega-cache\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
+  [[ ${MEGA:-1} == 1 ]] && TORCHINDUCTOR_CACHE_DIR=$D/mega-$run $JOB --attn flex_attention --mega-load $D/mega.bin \
+    2> "$OUT/mega-$run.log" | tail -1 | sed "s/^/{\"arm\": \"mega-cache\", \"line\": /; s/\$/}/" | tee -a "$OUT/arms.jsonl"
 done
 sed 's/^/{"arm": "kernelpack", "line": /; s/$/}/' "$OUT/replay.txt" >> "$OUT/arms.jsonl"
 # one line per arm: medians over the fresh processes of activate() (or the mega-cache load) + the first step at
@@ -49,6 +58,9 @@ for arm, runs in arms.items():
     total = statistics.median(r["activate_s"] + sum(r["step_s"]) for r in runs)
     print(json.dumps({"arm": arm, "runs": len(runs), "median_activate_plus_steps_s": round(total, 2),
                       "median_activate_s": round(statistics.median(r["activate_s"] for r in runs), 2),
+                      # issue 36's clock: the activate() line to the end of the first step, model built inside
+                      "median_start_to_first_step_s": round(statistics.median(r["start_to_first_step_s"] for r in runs), 2),
+                      "later_first_calls_max_s": max((max(r.get("later_first_calls_s") or [0]) for r in runs), default=0),
                       "median_steps_s": [round(statistics.median(r["step_s"][i] for r in runs), 2)
                                          for i in range(len(runs[0]["step_s"]))],
                       "compiles_in_steps": [r["compiles_in_steps"] for r in runs],

@@ -13,7 +13,6 @@ job-start wrapper that also points this process at the cache (:mod:`kernelpack.r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
@@ -21,6 +20,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -125,22 +125,46 @@ def install_artifact(
     artifact's paths with other content is an error, not kept (torch would load it), and a second install counts as
     done only while every file still hashes to the manifest's sha256 (not its size: a same-size swap is seen).
     """
-    private = None
+    return begin_install(
+        artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, sha256=sha256
+    ).finish()
+
+
+def begin_install(
+    artifact: str | os.PathLike[str],
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    allow_mismatch: bool = False,
+    device_index: int = 0,
+    sha256: str | None = None,
+) -> Installing:
+    """:func:`install_artifact` in two halves: this one reads the manifest, checks the build key and the cache dir
+    and writes nothing (tenths of a second); :meth:`Installing.finish` hashes, extracts and writes the marker, in
+    any thread (a background start runs it while torch's compiler imports: zstd and the writes release the GIL)."""
+    stack = contextlib.ExitStack()
+    path = str(artifact)
     try:
-        if sha256 is None:
-            return _install(str(artifact), cache_dir, allow_mismatch, device_index)
-        with _pinned_copy(str(artifact), sha256) as private:
-            result = _install(
-                private, cache_dir, allow_mismatch, device_index, pinned=True, name=str(artifact), sha256=sha256
-            )
-        return dataclasses.replace(result, artifact=str(artifact))
-    except KernelpackError as e:
-        if private is not None:  # name the artifact, not the descriptor it was read through
-            e.message = e.message.replace(private, str(artifact))
-            e.args = (e.message,)
-        if isinstance(e, ArtifactError):
-            e.hint = f"{e.hint}; the cache dir was left as it was"
+        if sha256 is not None:
+            path = stack.enter_context(_pinned_copy(str(artifact), sha256))
+        return _begin(path, cache_dir, allow_mismatch, device_index, stack, name=str(artifact), sha256=sha256)
+    except BaseException as e:
+        stack.close()
+        if isinstance(e, KernelpackError):
+            _named(e, path, str(artifact))
         raise
+
+
+def _named(e: KernelpackError, private: str, artifact: str) -> KernelpackError:
+    """The error as the user reads it: naming the artifact, not the descriptor a pinned install read it through."""
+    if private != artifact:
+        e.message = e.message.replace(private, artifact)
+        e.args = (e.message,)
+    if isinstance(e, ArtifactError) and not (e.hint or "").endswith(_LEFT_AS_IT_WAS):
+        e.hint = f"{e.hint}{_LEFT_AS_IT_WAS}"
+    return e
+
+
+_LEFT_AS_IT_WAS = "; the cache dir was left as it was"
 
 
 @contextlib.contextmanager
@@ -193,85 +217,157 @@ def _hash_fd(fd: int) -> str:
     return h.hexdigest()
 
 
-def _install(
+def _begin(
     path: str,
     cache_dir: str | os.PathLike[str] | None,
     allow_mismatch: bool,
     device_index: int,
+    stack: contextlib.ExitStack,
     *,
-    pinned: bool = False,
-    name: str | None = None,
-    sha256: str | None = None,
-) -> InstallResult:
-    """``sha256``: what ``path`` is known to hash to (a pinned install hashed it already, through the descriptor it
-    installs from), so it is not read a second time."""
+    name: str,
+    sha256: str | None,
+) -> Installing:
+    """``sha256``: what ``path`` hashes to, when a pinned install hashed it already (through the descriptor it
+    installs from), so that it is not read a second time."""
     start = time.perf_counter()
     timings: dict[str, float] = {}
-
-    def lap(name: str) -> None:
-        timings[name] = time.perf_counter() - start - sum(timings.values())
-
     target = resolve_cache_dir(cache_dir) if cache_dir is not None or settings.inductor_cache_dir() else None
     manifest = art.read_manifest(path)
-    lap("manifest")
+    timings["manifest"] = time.perf_counter() - start
     built = manifest.build_key
     mismatches = differences(built, probe(built.device_type, device_index, expected_torch_key=built.torch_key))
-    lap("probe")
+    timings["probe"] = time.perf_counter() - start - timings["manifest"]
     if mismatches and not allow_mismatch:
         raise KeyMismatchError(path, mismatches)
     if mismatches:
         warnings.warn(
             str(KeyMismatchError(path, mismatches)) + "\ninstalling anyway (--allow-mismatch): expect cache misses",
             KernelpackWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     target = target or resolve_cache_dir(cache_dir)
     check_cache_dir(target, built.device_type)
-    sha = sha256 or _fs.sha256_file(path)
-    lap("hash")
-    marker = marker_path(target, sha)
-    counts = _Counts()
-    noop = _marker_valid(marker, target, manifest, pinned)
-    if noop:
-        _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
-    else:
-        _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
-        with _node_lock(target):
-            # another worker may have finished while we waited
-            noop = _marker_valid(marker, target, manifest, pinned)
-            if not noop:
-
-                def write_marker(counts: _Counts, created: list[Path]) -> None:
-                    _write_marker(
-                        marker,
-                        {
-                            "artifact": os.path.basename(name or path),
-                            "sha256": sha,
-                            "name": manifest.name,
-                            "files": len(manifest.files),
-                            "kept": counts.kept,
-                            "installed_at": time.time(),
-                        },
-                        created,
-                    )
-
-                counts = _extract(path, manifest, target, pinned, write_marker)
-                lap("extract")
-    return InstallResult(
-        artifact=path,
-        sha256=sha,
-        cache_dir=str(target),
-        manifest=manifest,
-        files=len(manifest.files),
-        written=counts.written,
-        present=counts.present,
-        kept=len(counts.kept),
-        bytes_written=counts.nbytes,
-        seconds=time.perf_counter() - start,
-        noop=noop,
-        mismatches=mismatches,
+    return Installing(
+        path,
+        name,
+        target,
+        manifest,
+        mismatches,
+        stack,
+        sha256=sha256,
         timings=timings,
+        seconds=time.perf_counter() - start,
     )
+
+
+class Installing:
+    """An install :func:`begin_install` checked: its artifact's manifest and the cache dir it goes into are known,
+    nothing is written yet. :meth:`finish` (once, in any thread) installs; :meth:`result` is its outcome for other
+    threads. A pinned install holds its descriptor open until then."""
+
+    def __init__(
+        self,
+        path: str,
+        name: str,
+        target: Path,
+        manifest: art.Manifest,
+        mismatches: list[tuple[str, str, str]],
+        stack: contextlib.ExitStack,
+        *,
+        sha256: str | None,
+        timings: dict[str, float],
+        seconds: float,
+    ) -> None:
+        self.manifest = manifest
+        self.cache_dir = str(target)
+        self.artifact = name
+        self._path, self._target, self._mismatches, self._stack = path, target, mismatches, stack
+        self._sha256, self._timings, self._seconds = sha256, timings, seconds
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._result: InstallResult | None = None
+        self._error: BaseException | None = None
+
+    def finish(self) -> InstallResult:
+        """Hash, extract and mark: the files become visible here. Idempotent; a failure leaves the cache dir as it
+        was (:func:`_extract`) and is raised again by every later call."""
+        with self._lock:
+            if not self._done.is_set():
+                try:
+                    with self._stack:
+                        self._result = self._finish()
+                except BaseException as e:
+                    self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
+                finally:
+                    self._done.set()
+        return self.result(timeout=0)
+
+    def result(self, timeout: float | None = None) -> InstallResult:
+        """What :meth:`finish` installed, waiting up to ``timeout`` seconds for another thread's."""
+        if not self._done.wait(timeout):
+            raise InstallError(
+                self.artifact,
+                f"its install into {self.cache_dir} has not finished after {timeout:.0f} s",
+                hint="raise KERNELPACK_WARMUP_WAIT_SECONDS",
+            )
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    def _finish(self) -> InstallResult:
+        start = time.perf_counter()
+        timings = dict(self._timings)
+        path, target, manifest, pinned = self._path, self._target, self.manifest, self._sha256 is not None
+        sha = self._sha256 or _fs.sha256_file(path)
+        timings["hash"] = time.perf_counter() - start
+        marker = marker_path(target, sha)
+        counts = _Counts()
+        noop = _marker_valid(marker, target, manifest, pinned)
+        if noop:
+            _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
+        else:
+            _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
+            with _node_lock(target):
+                # another worker may have finished while we waited
+                noop = _marker_valid(marker, target, manifest, pinned)
+                if not noop:
+
+                    def write_marker(counts: _Counts, created: list[Path]) -> None:
+                        _write_marker(
+                            marker,
+                            {
+                                "artifact": os.path.basename(self.artifact),
+                                "sha256": sha,
+                                "name": manifest.name,
+                                "files": len(manifest.files),
+                                "kept": counts.kept,
+                                "installed_at": time.time(),
+                            },
+                            created,
+                        )
+
+                    counts = _extract(path, manifest, target, pinned, write_marker)
+                    timings["extract"] = time.perf_counter() - start - timings["hash"]
+        return InstallResult(
+            artifact=self.artifact,
+            sha256=sha,
+            cache_dir=str(target),
+            manifest=manifest,
+            files=len(manifest.files),
+            written=counts.written,
+            present=counts.present,
+            kept=len(counts.kept),
+            bytes_written=counts.nbytes,
+            seconds=self._seconds + time.perf_counter() - start,
+            noop=noop,
+            mismatches=self._mismatches,
+            timings=timings,
+        )
 
 
 def check_cache_dir(target: Path, device_type: str = "cuda") -> None:

@@ -52,7 +52,7 @@ from ._imports import importing_alone
 from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
 from ._torch.dynamo import when_imported as when_dynamo_imported
-from ._torch.inductor import CONFIG_HINT, compile_workers, import_compiler, inductor_torch_key
+from ._torch.inductor import CONFIG_HINT, compile_workers, import_compiler, inductor_torch_key, key_settings_cheap
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -79,7 +79,7 @@ from .errors import (
     NotPrecompiledError,
     NotWarmedError,
 )
-from .installer import InstallResult, check_cache_dir, install_artifact, resolve_cache_dir
+from .installer import Installing, InstallResult, begin_install, check_cache_dir, resolve_cache_dir
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
@@ -105,7 +105,8 @@ def install(
     Refuses (:class:`KeyMismatchError`) an artifact built for another torch/triton/CUDA/GPU unless ``allow_mismatch``;
     warns when this process's settings that enter inductor's cache keys differ from the builder's.
     """
-    result = _start(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index)
+    installing = _start(artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, background=False)
+    result = installing.result()
     _check_key_settings(result.manifest, strict=False)
     return result
 
@@ -129,7 +130,8 @@ def install_from(
         lock=lock,
         storage_options=storage_options,
         device_index=device_index,
-    )
+        background=False,
+    ).result()
     _check_key_settings(result.manifest, strict=False)
     return result
 
@@ -144,8 +146,12 @@ def _start(
     storage_options: Mapping[str, Any] | None = None,
     allow_mismatch: bool = False,
     device_index: int = 0,
-) -> InstallResult:
-    """Every job-start door: fetch (a registry's artifact), install, configure this process."""
+    background: bool,
+) -> Installing:
+    """Every job-start door: fetch (a registry's artifact), install, configure this process. ``background``: only
+    checks the artifact and the cache dir before it points the process there; the install is finished in the
+    background start's thread (a failure is raised by the first guarded call). Otherwise it installs first, so that
+    a failed install leaves the process as it was."""
     if registry is not None:
         if recipe is None:
             raise KernelpackError("a registry needs recipe=", hint="activate(registry=URL, recipe=NAME)")
@@ -154,11 +160,13 @@ def _start(
     else:
         sha256 = None
     assert artifact is not None
-    result = install_artifact(
+    installing = begin_install(
         artifact, cache_dir, allow_mismatch=allow_mismatch, device_index=device_index, sha256=sha256
     )
-    _configure_process(result)
-    return result
+    if not background:
+        installing.finish()
+    _configure_process(installing)
+    return installing
 
 
 def _check_key_settings(manifest: Manifest, strict: bool, *, allow_mismatch: bool = False) -> None:
@@ -186,7 +194,7 @@ def _check_key_settings(manifest: Manifest, strict: bool, *, allow_mismatch: boo
     warnings.warn(f"kernelpack: {message}\n{hint}", KernelpackWarning, stacklevel=3)
 
 
-def _configure_process(result: InstallResult) -> None:
+def _configure_process(result: Installing) -> None:
     """The one place kernelpack changes this process for an installed artifact: inductor reads the cache it was
     installed into, and Dynamo's recompile limit covers every (config, device) of it (at Dynamo's default of 8 it
     would fall back to eager, i.e. the dense path)."""
@@ -228,15 +236,29 @@ class FirstCall:
 class Activation:
     artifact: str | None
     strict: bool
-    install: InstallResult | None = None  # None: activated without an artifact (non-strict)
+    # None: activated without an artifact (non-strict); a background start's install finishes in its thread
+    installing: Installing | None = None
     warmup: Warmup | None = None  # None: no warm-up, first calls trace at the gate
     # the compile modes of the artifact's dynamic range configs: kernelpack.flex_attention serves a call one of them
     # covers with the dynamic graph
     dynamic_modes: frozenset[str] = frozenset()
 
     @property
+    def install(self) -> InstallResult | None:
+        """What the install wrote; after a background start, once its thread has installed (waits for it, bounded
+        by KERNELPACK_WARMUP_WAIT_SECONDS; raises what failed)."""
+        if self.installing is None:
+            return None
+        return self.installing.result(None if self.installing.finished else settings.warmup_wait_seconds())
+
+    @property
+    def cache_dir(self) -> str | None:
+        """The cache dir the artifact is (being) installed into."""
+        return self.installing.cache_dir if self.installing is not None else None
+
+    @property
     def manifest(self) -> Manifest | None:
-        return self.install.manifest if self.install is not None else None
+        return self.installing.manifest if self.installing is not None else None
 
     @property
     def covered(self) -> tuple[CallSignature, ...]:
@@ -249,6 +271,14 @@ class Activation:
 
     def covers(self, signature: CallSignature) -> Coverage:
         return self.manifest.covers(signature) if self.manifest is not None else Coverage(signature, None)
+
+    def wait(self) -> Activation:
+        """Until a background start (activate()'s default) is done: installed, imported, warmed. Raises what it
+        failed with, as a guarded call would. Returns this activation (``activate(...).wait()``); at once after
+        ``warmup=True`` or ``False``. For a job that measures from a finished start, or wants a failure here."""
+        if self.warmup is not None and self.warmup.background:
+            self.warmup.wait()
+        return self
 
     def describe(self) -> str:
         warm = "no warm-up" if self.warmup is None else self.warmup.describe()
@@ -291,6 +321,8 @@ class Warmup:
     def __init__(self, background: bool) -> None:
         self.background = background
         self.done = threading.Event()
+        self.thread: int | None = None  # a background start's thread (threading.get_ident)
+        self.settings_checked = False  # activate() checked the key settings itself
         if background:
             _background_warmups.add(self)
         self.error: BaseException | None = None
@@ -315,7 +347,7 @@ class Warmup:
 
     def describe(self) -> str:
         if not self.done.is_set():
-            return "warm-up running in the background"
+            return "background start running (install, torch's compiler imports, warm-up)"
         if self.error is not None:
             return f"warm-up failed: {type(self.error).__name__}: {self.error}"
         dynamic = sum(s.dynamic for s in self.signatures)
@@ -335,11 +367,21 @@ class Warmup:
                     f"kernelpack's background warm-up has not finished after {limit:.0f} s",
                     hint=f"raise {variable}, or activate(warmup=True) to warm before activate() returns",
                 )
-        if self.error is not None:
+        error = self.error
+        if error is not None:
+            text = error.message if isinstance(error, KernelpackError) else str(error)
             raise KernelpackError(
-                f"activate()'s warm-up failed: {type(self.error).__name__}: {self.error}",
-                hint="the warm-up's own error is chained to this one; activate(warmup=False) skips the warm-up",
-            ) from self.error
+                f"activate()'s {'background start' if self.background else 'warm-up'} failed: "
+                f"{type(error).__name__}: {text}",
+                hint=_failed_hint(error),
+            ) from error
+
+
+def _failed_hint(error: BaseException) -> str:
+    own = getattr(error, "hint", None)
+    if isinstance(error, KernelpackError) and own:
+        return f"{own} (the error is chained to this one)"
+    return "the error is chained to this one; activate(warmup=True) raises it from activate() itself"
 
 
 @dataclass
@@ -366,7 +408,7 @@ def activate(
     source: str | os.PathLike[str] | None = None,
     *,
     strict: bool = True,
-    warmup: bool | Literal["background"] = True,
+    warmup: bool | Literal["background"] = "background",
     cache_dir: str | os.PathLike[str] | None = None,
     device_index: int = 0,
     allow_mismatch: bool = False,
@@ -382,8 +424,12 @@ def activate(
     will use and points this process at it (:func:`install`); then refuses the dense path from now on, and
     (``strict``) every call the artifact does not cover. Returns what is covered.
 
-    ``warmup`` (with an artifact): makes the first call of every covered signature on every visible device of the
-    artifact now (``True``), or in a background thread that the first guarded call waits for (``"background"``).
+    ``warmup`` (with an artifact): ``"background"`` (the default) returns once the artifact's manifest, build key
+    and the cache dir are checked (tenths of a second); a thread then installs the files, imports torch's compiler
+    stack and warms up while the job builds its model, and the first guarded call waits for it (an error there is
+    raised by that call, and :func:`report` says it). ``True``: all of it before activate() returns, so that every
+    error is raised here.  Either way the warm-up makes the first call of every covered signature on every visible
+    device of the artifact that must trace; precompiled functions load at their signature's first call.
     After it, no flex call traces during training: a call that would (not covered, or not as warmed: another mask
     function, other strides, autocast) raises :class:`NotWarmedError`, in non-strict mode too. ``False``: first
     calls trace at the gate during the job, as before; only safe where no other thread runs backward meanwhile (no
@@ -413,7 +459,8 @@ def activate(
             )
         activation = Activation(artifact=None, strict=False)
     else:
-        result = _start(
+        background = warmup == "background"
+        installing = _start(
             source,
             cache_dir,
             registry=registry,
@@ -422,14 +469,20 @@ def activate(
             storage_options=storage_options,
             allow_mismatch=allow_mismatch,
             device_index=device_index,
+            background=background,
         )
-        if warmup != "background":
-            # reading inductor's and functorch's config imports Dynamo: a background start reads them in its thread
-            _check_key_settings(result.manifest, strict, allow_mismatch=allow_mismatch)
-        warm = Warmup(background=warmup == "background") if warmup else None
-        dynamic_modes = frozenset(c.config.mode for c in result.manifest.configs if c.config.q_range is not None)
+        settings_now = not background or key_settings_cheap()
+        if settings_now:
+            # reading inductor's and functorch's config imports Dynamo: a background start reads them in its thread,
+            # unless the job imported them already (then a mismatch is refused here, where it is cheap)
+            _check_key_settings(installing.manifest, strict, allow_mismatch=allow_mismatch)
+        warm = Warmup(background=background) if warmup else None
+        if warm is not None:
+            warm.settings_checked = settings_now
+        manifest = installing.manifest
+        dynamic_modes = frozenset(c.config.mode for c in manifest.configs if c.config.q_range is not None)
         activation = Activation(
-            artifact=result.artifact, strict=strict, install=result, warmup=warm, dynamic_modes=dynamic_modes
+            artifact=installing.artifact, strict=strict, installing=installing, warmup=warm, dynamic_modes=dynamic_modes
         )
     # only now: a failed activate() leaves the previous one in force
     _state = state = _State(active=activation, since=evidence.next_seq(), counters_at=_torch_counters())
@@ -487,13 +540,19 @@ _COMPILER_STACK = ("torch", "triton", "sympy", "mpmath", "networkx", "jinja2", "
 
 
 def _start_in_background(state: _State, activation: Activation, allow_mismatch: bool) -> None:
-    """``activate(warmup="background")``'s thread: what activate() leaves to it because it imports Dynamo and
-    inductor (1.5-5 s of a job's start, issue 36), while the job builds its model; then the warm-up. The job's
-    threads wait for these imports (:func:`kernelpack._imports.importing_alone`) and every guarded call for the
-    warm-up; an error here is raised by each guarded call."""
-    warm, manifest = activation.warmup, activation.manifest
-    assert warm is not None and manifest is not None
+    """``activate(warmup="background")``'s thread (the default start): what activate() leaves to it, while the job
+    builds its model: the install's files (hash, extract, marker), in a thread of their own that overlaps the imports
+    (zstd and the writes release the GIL; the imports hold it), and what imports Dynamo and inductor (1.5-5 s of a
+    job's start, issue 36); then the warm-up, once both are done. The job's threads wait for these imports
+    (:func:`kernelpack._imports.importing_alone`) and every guarded call for the warm-up; an error here is raised by
+    each guarded call."""
+    warm, manifest, installing = activation.warmup, activation.manifest, activation.installing
+    assert warm is not None and manifest is not None and installing is not None
+    warm.thread = threading.get_ident()
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
+        # started inside the window: a thread the window's thread starts is not held at its imports
+        installer = threading.Thread(target=_finish_quietly, args=(installing,), name="kernelpack-install", daemon=True)
+        installer.start()
         try:
             import_compiler()
             # activate() checked the artifact's torch_key against kernelpack's reading of it; inductor's own
@@ -501,12 +560,21 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
             here = inductor_torch_key()
             if here != manifest.build_key.torch_key and not allow_mismatch:
                 raise KeyMismatchError(str(activation.artifact), [("torch_key", manifest.build_key.torch_key, here)])
-            _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
+            if not warm.settings_checked:
+                _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
+            installer.join()
+            installing.result(timeout=0)  # raises what the install raised
         except BaseException as e:
             warm.error = e
             warm.done.set()
             return
         _warm_up(state, activation)
+
+
+def _finish_quietly(installing: Installing) -> None:
+    """The install's thread: its outcome is kept for :meth:`Installing.result`, not raised here."""
+    with contextlib.suppress(BaseException):
+        installing.finish()
 
 
 def _warm_up(state: _State, activation: Activation) -> None:
@@ -623,12 +691,10 @@ def _loaded(state: _State, warm: Warmup, activation: Activation, sig: CallSignat
         if loaded is not None or built is None:
             return loaded
         entry = built.precompiled_for(sig.device_index or 0, sig.graph)
-        assert entry is not None and activation.install is not None
+        assert entry is not None and activation.cache_dir is not None
         try:
             with _measured(_Call(LOAD_PATH, sig)) as measured:
-                loaded = precompiled.load(
-                    Path(activation.install.cache_dir, entry.path), built.config.device, entry.sha256
-                )
+                loaded = precompiled.load(Path(activation.cache_dir, entry.path), built.config.device, entry.sha256)
         except Exception as e:
             why = f"its precompiled function failed to load at its first call: {type(e).__name__}: {e}"[:1000]
             warm.skipped[sig] = why + " (KERNELPACK_LOAD=eager: the inductor cache serves such a signature)"
@@ -672,12 +738,12 @@ def _load_precompiled(
     import torch
 
     config = built.config
-    assert activation.install is not None
+    assert activation.cache_dir is not None
     entry = built.precompiled_for(sig.device_index or 0, sig.graph)
     assert entry is not None
     try:
         with _measured(_Call("kernelpack warm-up", sig)) as measured:
-            loaded = precompiled.load(Path(activation.install.cache_dir, entry.path), config.device, entry.sha256)
+            loaded = precompiled.load(Path(activation.cache_dir, entry.path), config.device, entry.sha256)
             inputs = make_inputs(config, device, sig.graph, random=False)
             dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
             canonical_call(loaded.checked, config, sig.graph, inputs, bm, dout)
@@ -1508,6 +1574,9 @@ class RuntimeReport:
     # what this report cannot see, said rather than counted as 0: compiles torch counted before kernelpack watched,
     # kernels compiled in inductor's compile worker processes
     unseen: list[str] = field(default_factory=list)
+    # why activate()'s start failed (a background start's install, imports, settings check or warm-up): every
+    # guarded call raises it; None when it did not fail
+    start_error: str | None = None
 
     @property
     def compiled(self) -> list[FirstCall]:
@@ -1549,6 +1618,8 @@ class RuntimeReport:
             text += f"; {len(self.refused)} calls refused"
         if self.unseen:
             text += " [not seen here: " + "; ".join(self.unseen) + "]"
+        if self.start_error:
+            text += f"; activate()'s start FAILED: {self.start_error}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -1588,6 +1659,7 @@ class RuntimeReport:
             "precompiled": self.precompiled,
             "inductor_cache_tier": [{"call": sig.describe(), "why": why} for sig, why in self.tier1],
             "unseen": list(self.unseen),
+            "start_error": self.start_error,
         }
 
 
@@ -1662,6 +1734,10 @@ def report() -> RuntimeReport:
     evidence.ensure_watching()
     state = _state
     warm = state.active.warmup if state.active is not None else None
+    if warm is not None and warm.background and warm.thread != threading.get_ident():
+        # a background start's outcome belongs in the report: wait for it (bounded), raise nothing (the report
+        # says what failed; the next guarded call raises it)
+        warm.done.wait(settings.warmup_wait_seconds())
     since = state.since if state.active is not None else 0
     compiles = evidence.compile_records(since)
     for record in compiles:  # compiles made before the runtime saw them (watch installed late): attribute now
@@ -1681,7 +1757,7 @@ def report() -> RuntimeReport:
         ]
         done = warm is not None and warm.done.is_set()
         tier1 = sorted(warm.tier1_why.items(), key=lambda x: x[0].describe()) if done and warm is not None else []
-        if active is not None and active.install is not None and warm is None:
+        if active is not None and active.installing is not None and warm is None:
             tier1 = [(sig, "activate(warmup=False) loads no precompiled function") for sig in active.covered]
         return RuntimeReport(
             list(state.first_calls),
@@ -1694,6 +1770,7 @@ def report() -> RuntimeReport:
             tier1,
             len(warm.precompiled) if done and warm is not None else 0,
             _unseen(state, compiles),
+            f"{type(warm.error).__name__}: {warm.error}" if done and warm is not None and warm.error else None,
         )
 
 

@@ -9,11 +9,13 @@ import contextlib
 import inspect
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -536,13 +538,15 @@ def key_settings(artifact: str, cache: str) -> dict[str, Any]:
         out["strict"] = "activated"
     except KernelpackError as e:
         out["strict"] = str(e)
-    # a background start reads the settings in its thread (reading them imports Dynamo): its first call refuses
-    runtime.activate(artifact, cache_dir=cache, warmup="background")
+    # a background start reads the settings in its thread, where reading them would import Dynamo: its first call
+    # refuses (in a child process that imported neither config module); here both are imported, so it refuses at
+    # activate() as the foreground start does
     try:
-        call(configs(artifact)[0])
-        out["background"] = "served"
+        runtime.activate(artifact, cache_dir=cache, warmup="background")
+        out["background_activate"] = "activated"
     except KernelpackError as e:
-        out["background"] = f"{e}\n{e.__cause__}"
+        out["background_activate"] = str(e)
+    out["background"] = background_settings_child(artifact, cache)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         runtime.activate(artifact, cache_dir=cache, strict=False, warmup=False)
@@ -553,6 +557,30 @@ def key_settings(artifact: str, cache: str) -> dict[str, Any]:
     call(configs(artifact)[0])
     out["summary"] = runtime.report().summary()
     return out
+
+
+def background_settings_child(artifact: str, cache: str) -> str:
+    """A fresh process that sets an inductor setting through the environment (no config module imported) and
+    starts in the background: activate() returns, and its first guarded call refuses the mismatch."""
+    child = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from runtime_scenarios import call, configs
+from kernelpack import runtime
+from kernelpack.errors import KernelpackError
+runtime.activate({artifact!r}, cache_dir={cache!r})
+assert "torch._inductor.config" not in sys.modules
+try:
+    call(configs({artifact!r})[0])
+    print("served")
+except KernelpackError as e:
+    print(f"{{e}}\\n{{e.__cause__}}")
+"""
+    env = dict(os.environ, TORCHINDUCTOR_MAX_AUTOTUNE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    return done.stdout + done.stderr[-2000:]
 
 
 def declared_call(artifact: str, cache: str) -> dict[str, Any]:
@@ -1017,7 +1045,7 @@ def random_lengths(artifact: str, cache: str) -> dict[str, Any]:
     from kernelpack.workload import reference_attention
 
     config = configs(artifact)[0]  # buckets: the others differ only in length
-    runtime.activate(artifact, cache_dir=cache)
+    runtime.activate(artifact, cache_dir=cache).wait()  # the records after the mark are the job's, not the start's
     mark = evidence.next_seq()
     rng = random.Random(0)
     lo, hi = config.q_range or (200, 700)

@@ -321,7 +321,7 @@ import torch
 import anchors
 import kernelpack
 from kernelpack import evidence, masks, runtime
-runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2]).wait()  # the records after the mark are the job's
 dev = sys.argv[3] if len(sys.argv) > 3 else "cpu"
 mark = evidence.next_seq()
 rng = random.Random(0)

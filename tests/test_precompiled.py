@@ -101,7 +101,7 @@ from torch._dynamo.utils import counters
 import kernelpack
 from kernelpack import masks, runtime
 from kernelpack.errors import KernelpackError
-runtime.activate(sys.argv[1], cache_dir=sys.argv[2])
+runtime.activate(sys.argv[1], cache_dir=sys.argv[2]).wait()  # the frames counted below are the job's, not the start's
 
 def own_window(w):  # the user's own mask: what masks.sliding_window(w) computes, another function
     def mine(b, h, q_idx, kv_idx):

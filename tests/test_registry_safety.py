@@ -584,6 +584,48 @@ def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: 
         install_artifact(smoke_artifact, cache, sha256=sha)
 
 
+def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_failure(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36: activate()'s default start installs in its own thread. A pinned artifact (registry + lock) whose
+    install meets a planted file at one of its paths: activate() returns (it read the manifest and checked the build
+    key), the install fails in the thread with nothing of the artifact written, the first guarded call raises the
+    install's error naming the file, and report() says why the start failed."""
+    import kernelpack
+    from kernelpack import runtime
+    from kernelpack.canonical import make_inputs
+    from kernelpack.errors import KernelpackError
+    from kernelpack.installer import destination
+    from kernelpack.masks import block_mask_for
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
+    manifest = art.read_manifest(smoke_artifact)
+    reg, lock = tmp_path / "reg", tmp_path / "kp.lock"
+    Registry(str(reg)).push(smoke_artifact)
+    assert main(["lock", str(reg), "--recipe", manifest.recipe_name, "-o", str(lock)]) == 0
+    rel = sorted(p for p in manifest.files if p.startswith(art.PRECOMPILED_DIR))[0]
+    cache = tmp_path / "cache"
+    planted = destination(cache, rel)
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    config = manifest.configs[0].config
+    inputs, bm = make_inputs(config, "cpu"), block_mask_for(config, "cpu")
+    act = runtime.activate(registry=str(reg), recipe=manifest.recipe_name, lock=lock, cache_dir=cache)
+    try:
+        assert act.warmup is not None and act.warmup.background
+        with pytest.raises(KernelpackError, match="activate\\(\\)'s background start failed: InstallError") as e:
+            kernelpack.flex_attention(*inputs, block_mask=bm)
+        assert isinstance(e.value.__cause__, InstallError) and rel in str(e.value), e.value
+        assert "cache dir only this job writes" in (e.value.hint or "")
+        assert [p for p in cache.rglob("*") if p.is_file()] == [planted] and planted.read_bytes() == b"planted"
+        assert "hold other content" in (runtime.report().start_error or "")
+        with pytest.raises(InstallError, match="hold other content"):  # act.install: the install's own error
+            _ = act.install
+    finally:
+        act.warmup.done.wait(300)
+        runtime.deactivate()
+
+
 def test_outputs_are_renamed_only_over_regular_files(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

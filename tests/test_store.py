@@ -410,9 +410,11 @@ def test_activate_from_a_registry(smoke_artifact: Path, tmp_path: Path, monkeypa
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
     Registry(str(tmp_path / "reg")).push(smoke_artifact)
+    act = runtime.activate(registry=str(tmp_path / "reg"), recipe="smoke-cpu", cache_dir=tmp_path / "cache")
     try:
-        act = runtime.activate(registry=str(tmp_path / "reg"), recipe="smoke-cpu", cache_dir=tmp_path / "cache")
         assert len(act.covered) == 2 and act.install is not None and act.install.cache_dir == str(tmp_path / "cache")
         assert act.artifact is not None and Path(act.artifact).read_bytes() == smoke_artifact.read_bytes()
     finally:
+        if act.warmup is not None:  # the default start's thread: done before the next test
+            act.warmup.done.wait(300)
         runtime.deactivate()

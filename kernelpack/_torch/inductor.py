@@ -142,6 +142,15 @@ def key_settings(device_type: str) -> dict[str, str]:
     return out
 
 
+def key_settings_cheap() -> bool:
+    """Whether :func:`key_settings` is cheap now: the job imported both config modules already (importing either
+    imports Dynamo, a second of a job's start). torch 2.11-2.15: ``torch._inductor.config`` and
+    ``torch._functorch.config``."""
+    import sys
+
+    return "torch._inductor.config" in sys.modules and "torch._functorch.config" in sys.modules
+
+
 def _stable_repr(value: Any) -> str:
     # a function or object repr carries its address, different in every process: its type stands in
     text = repr(value)

@@ -26,7 +26,8 @@ ap.add_argument("--device", default="cpu")
 ap.add_argument("--train", action="store_true")
 ap.add_argument("--artifact")
 ap.add_argument("--cache")
-ap.add_argument("--background", action="store_true", help='activate(warmup="background")')
+ap.add_argument("--background", action="store_true", help='activate(warmup="background"): the default since issue 36')
+ap.add_argument("--foreground", action="store_true", help="activate(warmup=True): the whole start in activate()")
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
 ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
@@ -48,7 +49,7 @@ start = time.perf_counter()
 if args.mega_load:
     with open(args.mega_load, "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
-warmup = "background" if args.background else True
+warmup = True if args.foreground else "background"
 activation = runtime.activate(args.artifact, cache_dir=args.cache, warmup=warmup) if args.artifact else None
 activated = time.perf_counter() - start
 # nothing has compiled before Dynamo is imported (a background start imports it in its own thread)
