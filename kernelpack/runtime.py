@@ -53,6 +53,7 @@ from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
 from ._torch.dynamo import when_imported as when_dynamo_imported
 from ._torch.inductor import CONFIG_HINT, compile_workers, import_compiler, inductor_torch_key, key_settings_cheap
+from ._torch.triton import prefetch_key as prefetch_triton_key
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
 from .canonical import call as canonical_call
@@ -554,6 +555,7 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
         installer = threading.Thread(target=_finish_quietly, args=(installing,), name="kernelpack-install", daemon=True)
         installer.start()
         try:
+            triton_key = prefetch_triton_key()  # hashing libtriton.so beside the imports (GIL-free)
             import_compiler()
             # activate() checked the artifact's torch_key against kernelpack's reading of it; inductor's own
             # decides what hits
@@ -564,6 +566,8 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
                 _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
             installer.join()
             installing.result(timeout=0)  # raises what the install raised
+            if triton_key is not None:
+                triton_key.join(settings.warmup_wait_seconds())
         except BaseException as e:
             warm.error = e
             warm.done.set()

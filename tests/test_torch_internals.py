@@ -328,3 +328,35 @@ def test_compile_options_give_the_backend_of_the_mode(mode: str) -> None:
         assert callable(options.pop("guard_filter_fn"))
         ours = torch._TorchCompileInductorWrapper(None, options, dyn)
         assert ours == dynamo.inductor_backend(None if mode == "default" else mode, dyn), (mode, dyn, ours.config)
+
+
+TRITON_KEY = """
+import json, sys, time
+from kernelpack._torch import triton
+thread = triton.prefetch_key() if sys.argv[1] == "prefetch" else None
+if thread is not None:
+    thread.join(300)
+found = thread is not None
+try:
+    from triton.runtime.cache import triton_key
+except ImportError:
+    from triton.compiler.compiler import triton_key
+t = time.perf_counter()
+key = triton_key()
+print(json.dumps({"thread": found, "seconds": time.perf_counter() - t, "key": key}))
+"""
+
+
+def test_triton_key_is_computed_ahead_in_a_thread_of_its_own_where_triton_is_installed() -> None:
+    """A background start computes Triton's source key (hashing libtriton.so) beside the compiler imports; the
+    first precompiled load then reads it from Triton's cache instead of computing it: in a fresh process, after
+    prefetch_key(), the key comes at once, against what it costs computed, and it is the same key."""
+    if importlib.util.find_spec("triton") is None:  # the 2.13 CPU wheel
+        from kernelpack._torch import triton
+
+        assert triton.prefetch_key() is None
+        return
+    ahead = run_json([sys.executable, "-c", TRITON_KEY, "prefetch"])
+    cold = run_json([sys.executable, "-c", TRITON_KEY, "cold"])
+    assert ahead["thread"] and not cold["thread"] and ahead["key"] == cold["key"], (ahead, cold)
+    assert ahead["seconds"] < 0.01 and cold["seconds"] > 10 * ahead["seconds"], (ahead, cold)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 36 on the H200: the job-start targets, in parts that fit one device call each, every part's files in one
+# tarball (the device returns 8 files). PARTS (space-separated), run in order:
+#   dflash    bench/dflash_h200.sh e: record, build, cold x1; kernelpack, kernelpack --foreground, native warm x3
+#   qwen3     bench/family_h200.sh, Qwen3 mixed layers at 2048,4096: kernelpack x3, cold x1, native warm x3
+#   gemma3    the same for Gemma3 (one kv head, head_dim 256)
+#   mistral31 the same for Mistral with bench/varlen_train.py's buckets of 512 (31 configs, 62 signatures)
+#   probe     what triton_key() costs in a fresh process (the first precompiled load pays it)
+#   bash bench/start_h200.sh                      # PARTS="dflash qwen3"
+# Each part's summary lines are printed; $OUT/start.tgz holds every part's files.
+set -uo pipefail
+W=/tmp/start-out; rm -rf $W; mkdir -p $W
+for part in ${PARTS:-dflash qwen3}; do
+  mkdir -p $W/$part; s=$(date +%s)
+  # PART_TIMEOUT (s) bounds each part: the device's call has 600 s in all
+  case $part in
+    dflash) OUT=$W/$part RUNS=${RUNS:-3} timeout ${PART_TIMEOUT:-590} bash bench/dflash_h200.sh e > $W/$part/run.log 2>&1 ;;
+    qwen3|gemma3) OUT=$W/$part FAMILY=$part LENGTHS=2048,4096 RUNS=${RUNS:-3} COLD_RUNS=1 MEGA=0 \
+      timeout ${PART_TIMEOUT:-590} bash bench/family_h200.sh > $W/$part/run.log 2>&1 ;;
+    mistral31) OUT=$W/$part FAMILY=mistral BUCKETS=512 LENGTHS=2048,4096 RUNS=${RUNS:-3} COLD_RUNS=1 MEGA=0 \
+      timeout ${PART_TIMEOUT:-590} bash bench/family_h200.sh > $W/$part/run.log 2>&1 ;;
+    probe) (source bench/device_env.sh > /dev/null; for i in 1 2 3; do python3 -c '
+import time; t = time.perf_counter(); import triton; i = time.perf_counter() - t
+try:
+    from triton.compiler.compiler import triton_key
+except ImportError:
+    from triton.runtime.cache import triton_key
+t = time.perf_counter(); triton_key(); k = time.perf_counter() - t
+t = time.perf_counter(); triton_key(); again = time.perf_counter() - t
+print({"import_triton_s": round(i, 3), "triton_key_s": round(k, 3), "again_s": round(again, 6)})'; done) > $W/$part/run.log 2>&1 ;;
+  esac
+  echo "== $part: exit $? in $(( $(date +%s) - s )) s"
+  grep -h '"runs"' $W/$part/run.log 2>/dev/null; [[ $part == probe ]] && cat $W/$part/run.log
+  [[ $part == dflash ]] && tail -n 3 $W/$part/run.log
+  tar czf "${OUT:-out}/start.tgz" -C $W .  # after every part: a later part's timeout keeps the earlier ones
+done
+ls -la "${OUT:-out}/start.tgz"
