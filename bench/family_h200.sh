@@ -61,6 +61,9 @@ for arm, runs in arms.items():
                       # issue 36's clock: the activate() line to the end of the first step, model built inside
                       "median_start_to_first_step_s": round(statistics.median(r["start_to_first_step_s"] for r in runs), 2),
                       "later_first_calls_max_s": max((max(r.get("later_first_calls_s") or [0]) for r in runs), default=0),
+                      "install_phases": [r.get("install_phases") for r in runs][:1],
+                      "install_files_bytes": [(r.get("install_files"), r.get("install_bytes")) for r in runs][:1],
+                      "warmup_s": [r.get("warmup_s") for r in runs],
                       "median_steps_s": [round(statistics.median(r["step_s"][i] for r in runs), 2)
                                          for i in range(len(runs[0]["step_s"]))],
                       "compiles_in_steps": [r["compiles_in_steps"] for r in runs],

@@ -47,8 +47,9 @@ t0 = time.perf_counter()
 if args.mega_load:
     with open(args.mega_load, "rb") as f:
         torch.compiler.load_cache_artifacts(f.read())
+activation = None
 if args.artifact:
-    runtime.activate(args.artifact, cache_dir=args.cache)
+    activation = runtime.activate(args.artifact, cache_dir=args.cache)
 elif args.attn == "kernelpack":
     hf.register()
 evidence.watch_compiles()
@@ -115,6 +116,12 @@ print(
             "start_to_each_step_s": ends,
             # the job's first calls (not the warm-up's): each a precompiled function's lazy load and first run
             "later_first_calls_s": [c.seconds for c in report.first_calls if not c.warmup] if report else [],
+            # where the background start's seconds went: the install's phases (its files: hash, extract) and the
+            # warm-up (imports come before it, in the start's thread)
+            "install_phases": activation.install.timings if activation and activation.install else None,
+            "install_files": activation.install.files if activation and activation.install else None,
+            "install_bytes": activation.install.bytes_written if activation and activation.install else None,
+            "warmup_s": report.warmup_seconds if report else None,
             "pytree_nodes_added_after_activate": nodes_added,
             "torch": torch.__version__,
         }

@@ -13,6 +13,7 @@ job-start wrapper that also points this process at the cache (:mod:`kernelpack.r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,9 +24,10 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, cast
 
 from . import _fs, _lock, settings
 from . import artifact as art
@@ -36,6 +38,10 @@ from .keys import differences, probe
 log = logging.getLogger(__name__)
 
 STATE_DIR = ".kernelpack"  # inside the cache dir: install markers. Never shipped in artifacts.
+# inductor's FX-graph and AOTAutograd caches: only a Dynamo trace reads them (tier 1); a precompiled function (tier 2)
+# carries its graphs, and loads with neither dir installed (checked: CPU, torch 2.13). Its generated code and
+# kernels are in the other dirs (code dirs, triton/), which it does need.
+TIER1_ONLY = ("fxgraph/", "aotautograd/")
 _STAGE_PREFIX = ".kernelpack-tmp-"
 
 
@@ -287,6 +293,56 @@ class Installing:
         self._done = threading.Event()
         self._result: InstallResult | None = None
         self._error: BaseException | None = None
+        self._first: tuple[frozenset[str], _Counts, str, float] | None = None  # finish_first's files, counts, sha, s
+
+    def finish_first(self, files: Callable[[str], bool]) -> bool:
+        """Write the files ``files`` picks first (with every file of the same content), verified and linked into
+        place, no marker: what must be there soon (a background start: the files precompiled functions load), so that
+        :meth:`finish` can write the rest later. Returns whether the install is finished already (a valid marker: a
+        second start on this node). A failure fails the whole install, the target left as it was; a later failure of
+        :meth:`finish` leaves these files in place, unmarked (verified content; the next install completes them)."""
+        with self._lock:
+            if self._done.is_set() or self._first is not None:
+                return self._done.is_set()
+            start = time.perf_counter()
+            try:
+                sha = self._sha256 or _fs.sha256_file(self._path)
+                marker = marker_path(self._target, sha)
+                if _marker_valid(marker, self._target, self.manifest, self._sha256 is not None):
+                    self._first = (frozenset(), _Counts(), sha, 0.0)
+                    self._result = self._finish()
+                    self._done.set()
+                    return True
+                picked = {rel for rel in self.manifest.files if files(rel)}
+                shas = {self.manifest.files[rel].sha256 for rel in picked}
+                # hard links join members of one content: a group goes whole into one part
+                picked |= {rel for rel, e in self.manifest.files.items() if e.sha256 in shas}
+                # a marker of its own, so that the other workers of the node skip this part while this one writes
+                # the rest (8 workers start at once: one extracts, 7 wait for the lock, then find the marker)
+                first = marker.with_name(marker.stem + ".first.json")
+                pinned = self._sha256 is not None
+                counts = _Counts()
+                if _marker_valid(first, self._target, self.manifest, pinned, only=picked):
+                    counts.kept = _kept(first)  # the final marker vouches for them too
+                else:
+                    _check_state_dir(self._target, marker)
+                    with _node_lock(self._target):
+                        if _marker_valid(first, self._target, self.manifest, pinned, only=picked):
+                            counts.kept = _kept(first)
+                        else:
+
+                            def write_first(counts: _Counts, created: list[Path]) -> None:
+                                _write_marker(first, {"sha256": sha, "part": "first", "kept": counts.kept}, created)
+
+                            counts = _extract(self._path, self.manifest, self._target, pinned, write_first, only=picked)
+                self._first = (frozenset(picked), counts, sha, time.perf_counter() - start)
+            except BaseException as e:
+                self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
+                self._done.set()
+                with contextlib.suppress(BaseException):
+                    self._stack.close()
+                return True
+            return False
 
     def finish(self) -> InstallResult:
         """Hash, extract and mark: the files become visible here. Idempotent; a failure leaves the cache dir as it
@@ -319,14 +375,22 @@ class Installing:
     def finished(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def error(self) -> BaseException | None:
+        """What the finished install failed with (None: not finished, or installed)."""
+        return self._error if self._done.is_set() else None
+
     def _finish(self) -> InstallResult:
         start = time.perf_counter()
         timings = dict(self._timings)
         path, target, manifest, pinned = self._path, self._target, self.manifest, self._sha256 is not None
-        sha = self._sha256 or _fs.sha256_file(path)
+        first_files, counts, sha, first_seconds = self._first or (frozenset(), _Counts(), "", 0.0)
+        if first_seconds:
+            timings["extract_first"] = first_seconds
+        sha = sha or _fs.sha256_file(path)
         timings["hash"] = time.perf_counter() - start
         marker = marker_path(target, sha)
-        counts = _Counts()
+        rest = None if not first_files else frozenset(manifest.files.keys() - first_files)
         noop = _marker_valid(marker, target, manifest, pinned)
         if noop:
             _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
@@ -351,7 +415,7 @@ class Installing:
                             created,
                         )
 
-                    counts = _extract(path, manifest, target, pinned, write_marker)
+                    counts = _extract(path, manifest, target, pinned, write_marker, only=rest, before=counts)
                     timings["extract"] = time.perf_counter() - start - timings["hash"]
         return InstallResult(
             artifact=self.artifact,
@@ -363,7 +427,7 @@ class Installing:
             present=counts.present,
             kept=len(counts.kept),
             bytes_written=counts.nbytes,
-            seconds=self._seconds + time.perf_counter() - start,
+            seconds=self._seconds + first_seconds + time.perf_counter() - start,
             noop=noop,
             mismatches=self._mismatches,
             timings=timings,
@@ -411,7 +475,7 @@ def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Counts:
     written: int = 0
     present: int = 0
@@ -436,16 +500,23 @@ def _check_state_dir(target: Path, marker: Path | None = None) -> None:
         raise InstallError(str(target), f"{marker} is in the way (not a regular file)", hint=f"remove {marker}")
 
 
-def _marker_valid(marker: Path, target: Path, manifest: art.Manifest, pinned: bool = False) -> bool:
+def _marker_valid(
+    marker: Path, target: Path, manifest: art.Manifest, pinned: bool = False, *, only: Collection[str] | None = None
+) -> bool:
     """The marker counts only while every file it vouches for is still there: with its size, or, for an entry that
-    was already in the cache with other content (kept), at all. ``pinned``: with its sha256, and nothing kept."""
+    was already in the cache with other content (kept), at all. ``pinned``: with its sha256, and nothing kept.
+    ``only``: it vouches for these files alone (the first part of an install)."""
     try:
         kept = set(json.loads(marker.read_text()).get("kept", []))
     except (OSError, ValueError, AttributeError, TypeError):
         return False
+    if not all(isinstance(k, str) for k in kept):
+        return False
     if pinned and kept:
         return False
     for rel, entry in manifest.files.items():
+        if only is not None and rel not in only:
+            continue
         dest = destination(target, rel)
         try:
             size = dest.stat().st_size
@@ -456,6 +527,13 @@ def _marker_valid(marker: Path, target: Path, manifest: art.Manifest, pinned: bo
         if pinned and (dest.is_symlink() or _fs.sha256_file(dest) != entry.sha256):
             return False
     return True
+
+
+def _kept(marker: Path) -> list[str]:
+    """The kept entries a valid marker lists (read after :func:`_marker_valid` said yes)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        return sorted(str(k) for k in json.loads(marker.read_text()).get("kept", []))
+    return []
 
 
 @contextlib.contextmanager
@@ -487,6 +565,9 @@ def _extract(
     target: Path,
     pinned: bool = False,
     finish: Callable[[_Counts, list[Path]], None] | None = None,
+    *,
+    only: frozenset[str] | set[str] | None = None,
+    before: _Counts | None = None,
 ) -> _Counts:
     """Stage every file, verified, then link each into place without clobbering anything.
 
@@ -494,15 +575,20 @@ def _extract(
     target ends exactly as it was. ``pinned``: a differing file already at one of the artifact's paths is such a
     failure (an unpinned install keeps it and says so). ``finish`` (the install marker) runs last, inside the same
     rollback: a marker that cannot be written (a full disk) takes the files just committed with it, so a failed
-    install never leaves files in place.
+    install never leaves files in place. ``only``: these files alone are written (every member is still read and
+    verified); ``before``: the counts of an earlier part of the same install, which the marker's count includes.
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
     staged: list[tuple[Path, Path, art.FileEntry]] = []  # (staged file, destination, entry)
     by_rel: dict[str, Path] = {}
-    counts = _Counts()
+    counts = dataclasses.replace(before, kept=list(before.kept)) if before is not None else _Counts()
     try:
         for member in art.iter_members(path, manifest):
+            if only is not None and member.path not in only:
+                if member.link_to is None:
+                    member.write(cast(IO[bytes], _Discard()))  # verified all the same: corrupt fails every part
+                continue
             dest = destination(target, member.path)
             root = target if dest.is_relative_to(target) else settings.triton_cache_dir()
             assert root is not None  # destination() leaves the target only for TRITON_CACHE_DIR
@@ -568,6 +654,13 @@ def _extract(
     finally:
         for stage in stages.values():
             _fs.remove_stage_dir(stage)
+
+
+class _Discard:
+    """A destination that keeps nothing: a member another part of the install writes is read and checked here."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
 
 
 def _write_marker(marker: Path, data: dict[str, object], created: list[Path] | None = None) -> None:

@@ -80,7 +80,7 @@ from .errors import (
     NotPrecompiledError,
     NotWarmedError,
 )
-from .installer import Installing, InstallResult, begin_install, check_cache_dir, resolve_cache_dir
+from .installer import TIER1_ONLY, Installing, InstallResult, begin_install, check_cache_dir, resolve_cache_dir
 from .masks import block_mask_for, mask_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
@@ -552,7 +552,10 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
     warm.thread = threading.get_ident()
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
         # started inside the window: a thread the window's thread starts is not held at its imports
-        installer = threading.Thread(target=_finish_quietly, args=(installing,), name="kernelpack-install", daemon=True)
+        first_part = threading.Event()
+        installer = threading.Thread(
+            target=_install_in_parts, args=(installing, first_part), name="kernelpack-install", daemon=True
+        )
         installer.start()
         try:
             triton_key = prefetch_triton_key()  # hashing libtriton.so beside the imports (GIL-free)
@@ -564,8 +567,11 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
                 raise KeyMismatchError(str(activation.artifact), [("torch_key", manifest.build_key.torch_key, here)])
             if not warm.settings_checked:
                 _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
-            installer.join()
-            installing.result(timeout=0)  # raises what the install raised
+            # the warm-up needs the files precompiled functions load; the inductor cache's own entries (tier 1) come
+            # after, and the warm-up waits for them only before it traces (_warm_one)
+            first_part.wait()
+            if installing.error is not None:
+                installing.result(timeout=0)  # raises what the install raised
             if triton_key is not None:
                 triton_key.join(settings.warmup_wait_seconds())
         except BaseException as e:
@@ -575,10 +581,20 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
         _warm_up(state, activation)
 
 
-def _finish_quietly(installing: Installing) -> None:
-    """The install's thread: its outcome is kept for :meth:`Installing.result`, not raised here."""
-    with contextlib.suppress(BaseException):
+def _install_in_parts(installing: Installing, first_part: threading.Event) -> None:
+    """The install's thread: first the files precompiled functions need (every file but the inductor cache's own
+    FX-graph and AOTAutograd entries, which only a Dynamo trace reads: issue 36's "install only the tier that
+    serves"), then the rest and the marker. Tier 2 off: all in one part. The outcome is kept for
+    :meth:`Installing.result` and report(), not raised here."""
+    try:
+        if _tier2_unavailable() is None:
+            installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY))
+    finally:
+        first_part.set()
+    try:
         installing.finish()
+    except BaseException as e:  # the first guarded call or report() says it; a tier-1 warm-up raises it
+        log.warning("kernelpack: installing %s failed: %s: %s", installing.artifact, type(e).__name__, e)
 
 
 def _warm_up(state: _State, activation: Activation) -> None:
@@ -766,6 +782,10 @@ def _load_precompiled(
 def _warm_one(state: _State, warm: Warmup, built: BuiltConfig, sig: CallSignature, device: str, bm: Any) -> None:
     import torch
 
+    active = state.active
+    if active is not None and active.installing is not None and not active.installing.finished:
+        # a background start's inductor-cache entries (the install's second part): a trace reads them
+        active.installing.result(settings.warmup_wait_seconds())
     config = built.config
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
@@ -1670,6 +1690,14 @@ class RuntimeReport:
 REPORT_SCHEMA = 2  # docs/REPORT.md; bumped when a key changes meaning or goes away
 
 
+def _start_error(active: Activation | None, warm: Warmup | None) -> str | None:
+    """Why the start failed: its warm-up, or its install (whose second part may fail after the warm-up)."""
+    error = warm.error if warm is not None else None
+    if error is None and active is not None and active.installing is not None:
+        error = active.installing.error
+    return f"{type(error).__name__}: {error}" if error is not None else None
+
+
 def _path(record: evidence.CompileRecord | evidence.DenseRecord) -> str:
     if isinstance(record.tag, _Call):
         return record.tag.path
@@ -1774,7 +1802,7 @@ def report() -> RuntimeReport:
             tier1,
             len(warm.precompiled) if done and warm is not None else 0,
             _unseen(state, compiles),
-            f"{type(warm.error).__name__}: {warm.error}" if done and warm is not None and warm.error else None,
+            _start_error(active, warm if done else None),
         )
 
 

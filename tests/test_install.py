@@ -462,3 +462,60 @@ def test_activate_refuses_a_cache_dir_variable_torch_cannot_use_before_torch_rea
             check=False,
         )
         assert r.returncode == 3 and fragment in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def _files(root: Path) -> set[str]:
+    return set(_contents(root))
+
+
+def _contents(root: Path) -> dict[str, tuple[int, str]]:
+    """The cache tree's files (not kernelpack's markers): path -> (mode, sha256)."""
+    return {
+        p.relative_to(root).as_posix(): (p.stat().st_mode, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in root.rglob("*")
+        if p.is_file() and ".kernelpack" not in p.parts
+    }
+
+
+def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """Issue 36: a background start installs first what tier 2 loads (every file but inductor's FX-graph and
+    AOTAutograd entries, which only a trace reads), then the rest and the marker. After the first part: exactly
+    those files, verified, no marker; a second worker's first part finds them (its own marker) and writes nothing;
+    after both parts the tree is what a one-part install writes, and the marker makes the next install a no-op."""
+    from kernelpack.installer import TIER1_ONLY, begin_install
+
+    manifest = art.read_manifest(smoke_artifact)
+    first_files = {rel for rel in manifest.files if not rel.startswith(TIER1_ONLY)}
+    assert first_files and first_files != set(manifest.files)  # the smoke artifact has both kinds
+    one_part = tmp_path / "one-part"
+    install(smoke_artifact, one_part)
+    target = tmp_path / "cache"
+    a, b = begin_install(smoke_artifact, target), begin_install(smoke_artifact, target)
+    assert a.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is False
+    assert _files(target) == first_files and not a.finished
+    assert not marker_path(target, hashlib.sha256(smoke_artifact.read_bytes()).hexdigest()).exists()
+    before = tree_digest(target)
+    assert b.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is False and tree_digest(target) == before
+    done = a.finish()
+    assert done.written == len(manifest.files) and not done.noop and "extract_first" in done.timings
+    assert _files(target) == set(manifest.files) and _contents(target) == _contents(one_part)
+    assert b.finish().noop and begin_install(smoke_artifact, target).finish().noop
+
+
+@pytest.mark.parametrize("where", [0.5, 0.95])
+def test_a_corrupt_artifact_fails_the_first_part_with_the_target_unchanged(
+    smoke_artifact: Path, tmp_path: Path, where: float
+) -> None:
+    """Every member is read and checked in each part, written or not: corruption anywhere in the stream fails the
+    first part, before a file is visible."""
+    from kernelpack.installer import TIER1_ONLY, begin_install
+
+    bad = corrupt_copy(smoke_artifact, tmp_path / "bad.kpack", where)
+    target = tmp_path / "cache"
+    installing = begin_install(bad, target)
+    assert installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is True
+    with pytest.raises(ArtifactError, match="the cache dir was left as it was"):
+        installing.result(timeout=0)
+    assert _files(target) == set() and isinstance(installing.error, ArtifactError)
