@@ -127,6 +127,34 @@ def mask_for(config: Config, device: Any = "cpu") -> MaskMod:
     return _from_factory(config.mask, config, "mask", "mask_mod(b, h, q_idx, kv_idx) -> bool tensor")
 
 
+def modules_for(config: Config) -> set[str]:
+    """The modules :func:`mask_for` and :func:`score_mod_for` import for ``config``: its factories' and every
+    function its recorded references name, nested ones too. A background start imports them in activate(): its
+    thread holds the import gate (kernelpack._imports.importing_alone), and a job thread importing one of them waits
+    at the gate holding that module's import lock, so the thread must find them imported (it deadlocked on
+    SpecForge's DFlash mask module, imported by the job after activate())."""
+    found: set[str] = set()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            spec = value.get("function")
+            if isinstance(spec, str) and ":" in spec:
+                found.add(spec.partition(":")[0])
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                walk(v)
+
+    for kind, spec in (("mask", config.mask), ("score", config.score_mod)):
+        ref = config.reference(kind)  # type: ignore[arg-type]
+        if ref is not None:
+            walk(ref)
+        elif ":" in spec and spec not in BUILTIN:
+            found.add(spec.partition(":")[0])
+    return found
+
+
 def _from_factory(spec: str, config: Config, what: str, returns: str) -> Any:
     """``factory(config)`` for a recipe's ``"pkg.mod:factory"``: a function of the recipe point's shapes (example
     tensors of those shapes when the function closes over tensors; their values do not enter the graph)."""

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from . import evidence, functions, precompiled, settings
+from . import closures, evidence, functions, precompiled, settings
 from ._imports import importing_alone
 from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
@@ -81,7 +81,7 @@ from .errors import (
     NotWarmedError,
 )
 from .installer import TIER1_ONLY, Installing, InstallResult, begin_install, check_cache_dir, resolve_cache_dir
-from .masks import block_mask_for, mask_for, score_mod_for
+from .masks import block_mask_for, mask_for, modules_for, score_mod_for
 from .recipe import Config
 from .signature import CallSignature, graph_of, mask_key, mod_graph, score_mod_key, signature_of
 from .store import pull
@@ -480,6 +480,9 @@ def activate(
         warm = Warmup(background=background) if warmup else None
         if warm is not None:
             warm.settings_checked = settings_now
+        if background:
+            for module in sorted({m for built in installing.manifest.configs for m in modules_for(built.config)}):
+                closures.import_module(module, "a mask or score_mod of the artifact")  # masks.modules_for: why
         manifest = installing.manifest
         dynamic_modes = frozenset(c.config.mode for c in manifest.configs if c.config.q_range is not None)
         activation = Activation(
