@@ -310,7 +310,8 @@ class Installing:
                 marker = marker_path(self._target, sha)
                 if _marker_valid(marker, self._target, self.manifest, self._sha256 is not None):
                     self._first = (frozenset(), _Counts(), sha, 0.0)
-                    self._result = self._finish()
+                    with self._stack:  # done: a pinned install's descriptor is closed here
+                        self._result = self._finish()
                     self._done.set()
                     return True
                 picked = {rel for rel in self.manifest.files if files(rel)}

@@ -556,8 +556,10 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
         # started inside the window: a thread the window's thread starts is not held at its imports
         first_part = threading.Event()
+        # decided here: the install's thread is exempt from the gate, and must import nothing of torch beside it
+        split = _tier2_unavailable() is None
         installer = threading.Thread(
-            target=_install_in_parts, args=(installing, first_part), name="kernelpack-install", daemon=True
+            target=_install_in_parts, args=(installing, first_part, split), name="kernelpack-install", daemon=True
         )
         installer.start()
         try:
@@ -584,13 +586,13 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
         _warm_up(state, activation)
 
 
-def _install_in_parts(installing: Installing, first_part: threading.Event) -> None:
+def _install_in_parts(installing: Installing, first_part: threading.Event, split: bool) -> None:
     """The install's thread: first the files precompiled functions need (every file but the inductor cache's own
     FX-graph and AOTAutograd entries, which only a Dynamo trace reads: issue 36's "install only the tier that
-    serves"), then the rest and the marker. Tier 2 off: all in one part. The outcome is kept for
+    serves"), then the rest and the marker. Not ``split`` (tier 2 off): all in one part. The outcome is kept for
     :meth:`Installing.result` and report(), not raised here."""
     try:
-        if _tier2_unavailable() is None:
+        if split:
             installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY))
     finally:
         first_part.set()
