@@ -502,6 +502,8 @@ def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
     assert done.written == len(manifest.files) and not done.noop and "extract_first" in done.timings
     assert _files(target) == set(manifest.files) and _contents(target) == _contents(one_part)
     assert b.finish().noop and begin_install(smoke_artifact, target).finish().noop
+    later = begin_install(smoke_artifact, target)  # a later start on this node: done at its first part
+    assert later.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is True and later.result(timeout=0).noop
 
 
 @pytest.mark.parametrize("where", [0.5, 0.95])
