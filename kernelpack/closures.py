@@ -224,6 +224,25 @@ def varying(ref: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def modules(ref: dict[str, Any]) -> set[str]:
+    """The modules a reference's functions live in, nested ones too: what :func:`rebuild` imports."""
+    found: set[str] = set()
+
+    def visit(v: Any) -> None:
+        if isinstance(v, dict):
+            spec = v.get("function")
+            if isinstance(spec, str) and ":" in spec:
+                found.add(spec.partition(":")[0])
+            for x in v.values():
+                visit(x)
+        elif isinstance(v, list | tuple):
+            for x in v:
+                visit(x)
+
+    visit(ref)
+    return found
+
+
 def _dtype(name: Any) -> Any:
     import torch
 

@@ -134,22 +134,10 @@ def modules_for(config: Config) -> set[str]:
     at the gate holding that module's import lock, so the thread must find them imported (it deadlocked on
     SpecForge's DFlash mask module, imported by the job after activate())."""
     found: set[str] = set()
-
-    def walk(value: Any) -> None:
-        if isinstance(value, dict):
-            spec = value.get("function")
-            if isinstance(spec, str) and ":" in spec:
-                found.add(spec.partition(":")[0])
-            for v in value.values():
-                walk(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                walk(v)
-
     for kind, spec in (("mask", config.mask), ("score", config.score_mod)):
         ref = config.reference(kind)  # type: ignore[arg-type]
         if ref is not None:
-            walk(ref)
+            found |= closures.modules(ref)
         elif ":" in spec and spec not in BUILTIN:
             found.add(spec.partition(":")[0])
     return found

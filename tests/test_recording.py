@@ -48,6 +48,17 @@ def test_a_mask_is_named_by_reference_and_made_again_the_same(make: Any) -> None
     assert "64" in closures.label(ref)
 
 
+def test_a_reference_names_every_module_its_functions_come_from() -> None:
+    """What a background start imports in activate() for a recorded mask (masks.modules_for): the modules of the
+    function and of every function in its closure, nested (transformers' and_masks of its own mask functions)."""
+    pytest.importorskip("transformers")
+    from transformers.masking_utils import and_masks, causal_mask_function
+
+    assert closures.modules(closures.describe(user_model.local_window(64))) == {"user_model"}
+    nested = and_masks(causal_mask_function, user_model.local_window(64))
+    assert closures.modules(closures.describe(nested)) == {"transformers.masking_utils", "user_model"}
+
+
 MADE = {
     "lru_cache factory": lambda: user_model.cached_window(64),
     "decorated mask": lambda: user_model.decorated_window(64),
