@@ -94,13 +94,17 @@ if [[ ${1:-a} == bg ]]; then
 fi
 # e: issue 36 with the background start as activate()'s default: record, build, cold x1, then alternated fresh
 # processes: kernelpack as shipped (activate()), kernelpack with activate(warmup=True) (--foreground), native warm
-# (the cold run's cache dir); RUNS of each (3), NO_FG=1 without the --foreground arm; then the GPU tests TESTS names
+# (the cold run's cache dir); RUNS of each (3), NO_FG=1 without the --foreground arm, THREAD_ARM=1 with a
+# KERNELPACK_INSTALL_PROCESS=0 arm; then the GPU tests TESTS names
 if [[ ${1:-a} == e ]]; then
   record_build
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
   for r in $(seq 1 ${RUNS:-3}); do
     arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
     [[ -z ${NO_FG:-} ]] && arm kernelpack-fg $r --artifact $D/out/*.kpack --cache $D/kpf-cache-$r --foreground
+    # THREAD_ARM=1: the same start with the install's files written in a thread of the job (not a child process)
+    [[ -n ${THREAD_ARM:-} ]] && KERNELPACK_INSTALL_PROCESS=0 arm kernelpack-thread $r --artifact $D/out/*.kpack \
+      --cache $D/kpt-cache-$r
     TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
   done
   if [[ -n ${TESTS:-} ]]; then

@@ -122,6 +122,10 @@ print(
             "install_files": activation.install.files if activation and activation.install else None,
             "install_bytes": activation.install.bytes_written if activation and activation.install else None,
             "warmup_s": report.warmup_seconds if report else None,
+            # the background start's phases, each its end in seconds from the activate() line
+            "start_timeline": {k: v - t0 for k, v in activation.warmup.timeline.items()}
+            if activation and activation.warmup
+            else None,
             "pytree_nodes_added_after_activate": nodes_added,
             "torch": torch.__version__,
         }

@@ -33,6 +33,18 @@ class KernelpackError(Exception):
         # the hint travels with the error wherever it is printed: a traceback, a log line, Dynamo re-raising it
         return f"{self.message}\nhint: {self.hint}" if self.hint else self.message
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # its state, not its constructor's arguments (each subclass takes others): an error crosses from the
+        # install's child process to the job (installer._extract_in_child) as it was raised
+        return (_rebuilt, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuilt(cls: type[KernelpackError], args: tuple[Any, ...], state: dict[str, Any]) -> KernelpackError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class KernelpackWarning(UserWarning):
     """Something will work, but not as well as it could (e.g. an artifact installed despite a key mismatch)."""

@@ -295,12 +295,13 @@ class Installing:
         self._error: BaseException | None = None
         self._first: tuple[frozenset[str], _Counts, str, float] | None = None  # finish_first's files, counts, sha, s
 
-    def finish_first(self, files: Callable[[str], bool]) -> bool:
+    def finish_first(self, files: Callable[[str], bool], *, in_child: bool = False) -> bool:
         """Write the files ``files`` picks first (with every file of the same content), verified and linked into
         place, no marker: what must be there soon (a background start: the files precompiled functions load), so that
         :meth:`finish` can write the rest later. Returns whether the install is finished already (a valid marker: a
         second start on this node). A failure fails the whole install, the target left as it was; a later failure of
-        :meth:`finish` leaves these files in place, unmarked (verified content; the next install completes them)."""
+        :meth:`finish` leaves these files in place, unmarked (verified content; the next install completes them).
+        ``in_child``: the files are written by a child process (:func:`_extract_in_child`)."""
         with self._lock:
             if self._done.is_set() or self._first is not None:
                 return self._done.is_set()
@@ -331,11 +332,9 @@ class Installing:
                         if _marker_valid(first, self._target, self.manifest, pinned, only=picked):
                             counts.kept = _kept(first)
                         else:
-
-                            def write_first(counts: _Counts, created: list[Path]) -> None:
-                                _write_marker(first, {"sha256": sha, "part": "first", "kept": counts.kept}, created)
-
-                            counts = _extract(self._path, self.manifest, self._target, pinned, write_first, only=picked)
+                            extract = _extract_in_child if in_child else _extract
+                            mark: tuple[Path, dict[str, object]] = (first, {"sha256": sha, "part": "first"})
+                            counts = extract(self._path, self.manifest, self._target, pinned, mark, only=picked)
                 self._first = (frozenset(picked), counts, sha, time.perf_counter() - start)
             except BaseException as e:
                 self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
@@ -345,14 +344,15 @@ class Installing:
                 return True
             return False
 
-    def finish(self) -> InstallResult:
+    def finish(self, *, in_child: bool = False) -> InstallResult:
         """Hash, extract and mark: the files become visible here. Idempotent; a failure leaves the cache dir as it
-        was (:func:`_extract`) and is raised again by every later call."""
+        was (:func:`_extract`) and is raised again by every later call. ``in_child``: the files are written by a
+        child process (:func:`_extract_in_child`)."""
         with self._lock:
             if not self._done.is_set():
                 try:
                     with self._stack:
-                        self._result = self._finish()
+                        self._result = self._finish(in_child)
                 except BaseException as e:
                     self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
                 finally:
@@ -381,7 +381,7 @@ class Installing:
         """What the finished install failed with (None: not finished, or installed)."""
         return self._error if self._done.is_set() else None
 
-    def _finish(self) -> InstallResult:
+    def _finish(self, in_child: bool = False) -> InstallResult:
         start = time.perf_counter()
         timings = dict(self._timings)
         path, target, manifest, pinned = self._path, self._target, self.manifest, self._sha256 is not None
@@ -401,22 +401,15 @@ class Installing:
                 # another worker may have finished while we waited
                 noop = _marker_valid(marker, target, manifest, pinned)
                 if not noop:
-
-                    def write_marker(counts: _Counts, created: list[Path]) -> None:
-                        _write_marker(
-                            marker,
-                            {
-                                "artifact": os.path.basename(self.artifact),
-                                "sha256": sha,
-                                "name": manifest.name,
-                                "files": len(manifest.files),
-                                "kept": counts.kept,
-                                "installed_at": time.time(),
-                            },
-                            created,
-                        )
-
-                    counts = _extract(path, manifest, target, pinned, write_marker, only=rest, before=counts)
+                    data: dict[str, object] = {
+                        "artifact": os.path.basename(self.artifact),
+                        "sha256": sha,
+                        "name": manifest.name,
+                        "files": len(manifest.files),
+                        "installed_at": time.time(),
+                    }
+                    extract = _extract_in_child if in_child else _extract
+                    counts = extract(path, manifest, target, pinned, (marker, data), only=rest, before=counts)
                     timings["extract"] = time.perf_counter() - start - timings["hash"]
         return InstallResult(
             artifact=self.artifact,
@@ -565,7 +558,7 @@ def _extract(
     manifest: art.Manifest,
     target: Path,
     pinned: bool = False,
-    finish: Callable[[_Counts, list[Path]], None] | None = None,
+    mark: tuple[Path, dict[str, object]] | None = None,
     *,
     only: frozenset[str] | set[str] | None = None,
     before: _Counts | None = None,
@@ -574,10 +567,11 @@ def _extract(
 
     Any failure removes the staging directories and whatever this call created (files and directories), so the
     target ends exactly as it was. ``pinned``: a differing file already at one of the artifact's paths is such a
-    failure (an unpinned install keeps it and says so). ``finish`` (the install marker) runs last, inside the same
-    rollback: a marker that cannot be written (a full disk) takes the files just committed with it, so a failed
-    install never leaves files in place. ``only``: these files alone are written (every member is still read and
-    verified); ``before``: the counts of an earlier part of the same install, which the marker's count includes.
+    failure (an unpinned install keeps it and says so). ``mark`` (the install marker's path and data, to which the
+    kept files are added) is written last, inside the same rollback: a marker that cannot be written (a full disk)
+    takes the files just committed with it, so a failed install never leaves files in place. ``only``: these files
+    alone are written (every member is still read and verified); ``before``: the counts of an earlier part of the
+    same install, which the marker's count includes.
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
@@ -639,8 +633,8 @@ def _extract(
                 hint="install into a cache dir only this job writes (activate(cache_dir=...), kernelpack pull "
                 "--install --cache-dir DIR), or remove those files",
             )
-        if finish is not None:
-            finish(counts, created)
+        if mark is not None:
+            _write_marker(mark[0], {**mark[1], "kept": counts.kept}, created)
         return counts
     except BaseException as e:
         for stage in stages.values():
@@ -655,6 +649,104 @@ def _extract(
     finally:
         for stage in stages.values():
             _fs.remove_stage_dir(stage)
+
+
+def _extract_in_child(
+    path: str,
+    manifest: art.Manifest,
+    target: Path,
+    pinned: bool = False,
+    mark: tuple[Path, dict[str, object]] | None = None,
+    *,
+    only: frozenset[str] | set[str] | None = None,
+    before: _Counts | None = None,
+) -> _Counts:
+    """:func:`_extract` in a child process (``python -c``, kernelpack's installer and zstandard only, no torch;
+    0.1-0.2 s to start): a background start's install runs beside Dynamo's and inductor's imports, and in a thread
+    of the job's process it shares their GIL. Every file read, write, hash and zstd block releases and takes the GIL
+    back, which an importing thread holds most of the time: measured on CPU (torch 2.13, this project's 2-core
+    machine, 120 files and 62 MB), the extract took 0.5 s alone, 2.75 s in a thread beside the imports and
+    0.74-0.97 s in a child process beside them; on the H200 the DFlash artifact's took 1.6-2.3 s instead of 0.3 s.
+    The same checks and the same rollback run in the child; its error is raised here as it was raised there
+    (KernelpackError pickles its state). The child dies with this process: when its stdin closes it rolls back
+    (``_child_main``). A pinned install's descriptor is passed to the child under the same number."""
+    import pickle
+    import subprocess
+    import sys
+
+    fds: tuple[int, ...] = ()
+    if path.startswith("/proc/self/fd/"):
+        fds = (int(path.rsplit("/", 1)[1]),)
+    package_root = str(Path(__file__).resolve().parent.parent)
+    code = (
+        f"import sys; sys.path.insert(0, {package_root!r}); from kernelpack.installer import _child_main; _child_main()"
+    )
+    job = pickle.dumps((path, manifest, str(target), pinned, mark, only, before))
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, close_fds=True
+        )
+    except OSError as e:
+        log.warning("kernelpack: cannot start the install's process (%s: %s); installing here", type(e).__name__, e)
+        return _extract(path, manifest, target, pinned, mark, only=only, before=before)
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        child.stdin.write(len(job).to_bytes(8, "big") + job)
+        child.stdin.flush()
+        reply = child.stdout.read()  # stdin stays open until the child is done: its end is the child's stop signal
+    except OSError:
+        reply = b""
+    finally:
+        with contextlib.suppress(OSError):
+            child.stdin.close()
+        code_ = child.wait()
+    try:
+        outcome, value = pickle.loads(reply)
+    except Exception:
+        how = f"killed by signal {-code_}" if code_ < 0 else f"exited with code {code_}"
+        raise InstallError(
+            str(target),
+            f"the install's process {how} before it finished; what it staged is removed by the next install",
+            hint="see the messages above; set KERNELPACK_INSTALL_PROCESS=0 to install in the job's process",
+        ) from None
+    if outcome == "error":
+        raise value
+    return cast(_Counts, value)
+
+
+def _child_main() -> None:
+    """The install's child process (:func:`_extract_in_child`): one job on stdin, its counts or its exception on
+    stdout. A watcher thread reads stdin to its end: the parent closing it before the job is done (the parent died,
+    or gave up) interrupts the extract, which rolls back."""
+    import _thread
+    import pickle
+    import sys
+
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    size = int.from_bytes(stdin.read(8), "big")
+    path, manifest, target, pinned, mark, only, before = pickle.loads(stdin.read(size))
+    done = threading.Event()
+
+    def watch() -> None:
+        stdin.read()
+        if not done.is_set():
+            _thread.interrupt_main()
+
+    threading.Thread(target=watch, daemon=True).start()
+    reply: tuple[str, object]
+    try:
+        reply = ("ok", _extract(path, manifest, Path(target), pinned, mark, only=only, before=before))
+    except BaseException as e:
+        reply = ("error", e)
+    done.set()
+    try:
+        data = pickle.dumps(reply)
+    except Exception:  # an exception that does not pickle: its type and text
+        failed = reply[1]
+        data = pickle.dumps(("error", InstallError(target, f"{type(failed).__name__}: {failed}")))
+    stdout.write(data)
+    stdout.flush()
+    os._exit(0)  # not a normal shutdown: the watcher is still blocked reading stdin (finalization would abort)
 
 
 class _Discard:

@@ -52,7 +52,14 @@ from ._imports import importing_alone
 from ._torch.dynamo import compiled_already
 from ._torch.dynamo import imported as dynamo_imported
 from ._torch.dynamo import when_imported as when_dynamo_imported
-from ._torch.inductor import CONFIG_HINT, compile_workers, import_compiler, inductor_torch_key, key_settings_cheap
+from ._torch.inductor import (
+    CONFIG_HINT,
+    compile_workers,
+    import_compiler,
+    inductor_torch_key,
+    key_settings_cheap,
+)
+from ._torch.inductor import read_as as torch_key_read_as
 from ._torch.triton import prefetch_key as prefetch_triton_key
 from .artifact import BuiltConfig, Coverage, Manifest
 from .canonical import arguments as canonical_arguments
@@ -345,6 +352,8 @@ class Warmup:
         self.lazy: dict[CallSignature, BuiltConfig] = {}
         self.load_lock = threading.Lock()
         self.unrun: set[CallSignature] = set()  # loaded lazily, not yet called: its first run is the load's
+        # a background start's phases, each its end (time.perf_counter()): what a benchmark splits the start by
+        self.timeline: dict[str, float] = {}
 
     def describe(self) -> str:
         if not self.done.is_set():
@@ -461,6 +470,8 @@ def activate(
         activation = Activation(artifact=None, strict=False)
     else:
         background = warmup == "background"
+        if background:
+            settings.install_in_process()  # a bad value is refused here, not in the start's thread
         installing = _start(
             source,
             cache_dir,
@@ -554,31 +565,39 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
     assert warm is not None and manifest is not None and installing is not None
     warm.thread = threading.get_ident()
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
-        # started inside the window: a thread the window's thread starts is not held at its imports
         first_part = threading.Event()
-        # decided here: the install's thread is exempt from the gate, and must import nothing of torch beside it
-        split = _tier2_unavailable() is None
-        installer = threading.Thread(
-            target=_install_in_parts, args=(installing, first_part, split), name="kernelpack-install", daemon=True
-        )
-        installer.start()
         try:
+            # started inside the window: a thread the window's thread starts is not held at its imports; decided
+            # here: the install's thread is exempt from the gate, and must import nothing of torch beside it
+            split = _tier2_unavailable() is None
+            threading.Thread(
+                target=_install_in_parts,
+                args=(installing, first_part, split, settings.install_in_process()),
+                name="kernelpack-install",
+                daemon=True,
+            ).start()
             triton_key = prefetch_triton_key()  # hashing libtriton.so beside the imports (GIL-free)
             import_compiler()
-            # activate() checked the artifact's torch_key against kernelpack's reading of it; inductor's own
-            # decides what hits
-            here = inductor_torch_key()
-            if here != manifest.build_key.torch_key and not allow_mismatch:
-                raise KeyMismatchError(str(activation.artifact), [("torch_key", manifest.build_key.torch_key, here)])
+            warm.timeline["imports"] = time.perf_counter()
+            # activate() checked the artifact's torch_key against kernelpack's reading of torch's sources; where
+            # that reading was not what matched, inductor's own decides what hits. Where it matched, inductor's is
+            # not computed again: 0.2-0.7 s of hashing on the job's path that a precompiled load never asks for
+            # (its torch_key stays uncomputed: CPU, torch 2.13), and a tier-1 trace computes it itself
+            key = manifest.build_key.torch_key
+            if not torch_key_read_as(key) and (here := inductor_torch_key()) != key and not allow_mismatch:
+                raise KeyMismatchError(str(activation.artifact), [("torch_key", key, here)])
             if not warm.settings_checked:
                 _check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
             # the warm-up needs the files precompiled functions load; the inductor cache's own entries (tier 1) come
             # after, and the warm-up waits for them only before it traces (_warm_one)
+            warm.timeline["checks"] = time.perf_counter()
             first_part.wait()
+            warm.timeline["first_part"] = time.perf_counter()
             if installing.error is not None:
                 installing.result(timeout=0)  # raises what the install raised
             if triton_key is not None:
                 triton_key.join(settings.warmup_wait_seconds())
+            warm.timeline["triton_key"] = time.perf_counter()
         except BaseException as e:
             warm.error = e
             warm.done.set()
@@ -586,18 +605,18 @@ def _start_in_background(state: _State, activation: Activation, allow_mismatch: 
         _warm_up(state, activation)
 
 
-def _install_in_parts(installing: Installing, first_part: threading.Event, split: bool) -> None:
+def _install_in_parts(installing: Installing, first_part: threading.Event, split: bool, in_child: bool) -> None:
     """The install's thread: first the files precompiled functions need (every file but the inductor cache's own
     FX-graph and AOTAutograd entries, which only a Dynamo trace reads: issue 36's "install only the tier that
     serves"), then the rest and the marker. Not ``split`` (tier 2 off): all in one part. The outcome is kept for
     :meth:`Installing.result` and report(), not raised here."""
     try:
         if split:
-            installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY))
+            installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child)
     finally:
         first_part.set()
     try:
-        installing.finish()
+        installing.finish(in_child=in_child)
     except BaseException as e:  # the first guarded call or report() says it; a tier-1 warm-up raises it
         log.warning("kernelpack: installing %s failed: %s: %s", installing.artifact, type(e).__name__, e)
 
@@ -668,6 +687,7 @@ def _warm_up(state: _State, activation: Activation) -> None:
             raise
     finally:
         warm.seconds = time.perf_counter() - start
+        warm.timeline["warm_up"] = time.perf_counter()
         warm.done.set()
     if warm.skipped:
         log.info("warm-up skipped %d signatures: %s", len(warm.skipped), sorted(set(warm.skipped.values())))

@@ -11,6 +11,7 @@ A bad value is a :class:`SettingError` naming the variable, its value and what i
 | ``KERNELPACK_DOWNLOAD_DIR``      | ``$XDG_CACHE_HOME/kernelpack/downloads``  | registry pulls                  |
 | ``KERNELPACK_FX_WAIT_SECONDS``   | ``300``                                   | the runtime guard               |
 | ``KERNELPACK_INSTALL_LOCK``      | ``1``                                     | install (``0``: no node lock)   |
+| ``KERNELPACK_INSTALL_PROCESS``   | ``1``                                     | install (``0``: in a thread)    |
 | ``KERNELPACK_LOCK_TIMEOUT``      | ``600``                                   | every file lock                 |
 | ``KERNELPACK_MAX_EXPANDED_BYTES``| ``68719476736`` (64 GiB)                  | reading artifacts               |
 | ``KERNELPACK_WARMUP_WAIT_SECONDS`` | ``900``                                 | calls during a background warm-up |
@@ -148,6 +149,12 @@ def fx_wait_seconds() -> float:
 def install_lock() -> bool:
     """``KERNELPACK_INSTALL_LOCK=0`` turns the node-wide install lock off (it only saves work)."""
     return _flag("KERNELPACK_INSTALL_LOCK", True)
+
+
+def install_in_process() -> bool:
+    """``KERNELPACK_INSTALL_PROCESS=0``: a background start writes the artifact's files in a thread of the job's
+    process, not in a child process of its own (:func:`kernelpack.installer._extract_in_child` says why it does)."""
+    return _flag("KERNELPACK_INSTALL_PROCESS", True)
 
 
 def serve_precompiled() -> bool:

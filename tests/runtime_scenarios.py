@@ -6,6 +6,7 @@ python tests/runtime_scenarios.py SCENARIO ARTIFACT CACHE_DIR   -> prints one JS
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -340,11 +341,31 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     """activate(warmup="background") returns at once, having imported neither Dynamo nor inductor: its thread
     imports them while this one imports inductor's internals as a job's model code might (the cross-thread import
     cycle kernelpack._imports.importing_alone prevents); 3 threads call at once and wait for it, then are served."""
-    from kernelpack import _imports
+    from kernelpack import _imports, installer
 
     imported_by: dict[str, str] = {}
     for name in ("torch._dynamo", "torch._inductor.codecache"):
         _imports.after_import(name, lambda m: imported_by.setdefault(m.__name__, threading.current_thread().name))
+    # who writes the files (the install's child process, unless KERNELPACK_INSTALL_PROCESS=0) and whether inductor's
+    # own torch_key is computed (not where kernelpack's reading of torch's sources matched the artifact's)
+    extracted_here: list[str] = []
+    extract, key = installer._extract, runtime.inductor_torch_key
+
+    def counted_extract(*args: Any, **kwargs: Any) -> Any:
+        extracted_here.append(threading.current_thread().name)
+        return extract(*args, **kwargs)
+
+    key_reads: list[str] = []
+
+    def counted_key() -> str:
+        key_reads.append(threading.current_thread().name)
+        return key()
+
+    installer._extract, runtime.inductor_torch_key = counted_extract, counted_key  # type: ignore[assignment]
+    if os.environ.get("KERNELPACK_TEST_MISREAD"):  # a torch whose sources kernelpack would misread
+        from kernelpack._torch import inductor
+
+        inductor._source_key = functools.cache(lambda: "00" * 32)
     t0 = time.perf_counter()
     activation = runtime.activate(artifact, cache_dir=cache, warmup="background")
     returned = time.perf_counter() - t0
@@ -376,6 +397,9 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
         "errors": errors,
         "first_calls": [(f.warmup, f.thread) for f in rep.first_calls],
         "compiled": len(rep.compiled),
+        "extracted_here": extracted_here,
+        "inductor_key_reads": key_reads,
+        "installed": activation.install.written,
     }
 
 

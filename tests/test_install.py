@@ -477,13 +477,15 @@ def _contents(root: Path) -> dict[str, tuple[int, str]]:
     }
 
 
+@pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "in-a-child"])
 def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
-    smoke_artifact: Path, tmp_path: Path
+    smoke_artifact: Path, tmp_path: Path, in_child: bool
 ) -> None:
     """Issue 36: a background start installs first what tier 2 loads (every file but inductor's FX-graph and
     AOTAutograd entries, which only a trace reads), then the rest and the marker. After the first part: exactly
     those files, verified, no marker; a second worker's first part finds them (its own marker) and writes nothing;
-    after both parts the tree is what a one-part install writes, and the marker makes the next install a no-op."""
+    after both parts the tree is what a one-part install writes, and the marker makes the next install a no-op.
+    ``in_child``: the files are written by the install's child process, as a background start writes them."""
     from kernelpack.installer import TIER1_ONLY, begin_install
 
     manifest = art.read_manifest(smoke_artifact)
@@ -493,12 +495,13 @@ def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
     install(smoke_artifact, one_part)
     target = tmp_path / "cache"
     a, b = begin_install(smoke_artifact, target), begin_install(smoke_artifact, target)
-    assert a.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is False
+    assert a.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is False
     assert _files(target) == first_files and not a.finished
     assert not marker_path(target, hashlib.sha256(smoke_artifact.read_bytes()).hexdigest()).exists()
     before = tree_digest(target)
-    assert b.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is False and tree_digest(target) == before
-    done = a.finish()
+    assert b.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is False
+    assert tree_digest(target) == before
+    done = a.finish(in_child=in_child)
     assert done.written == len(manifest.files) and not done.noop and "extract_first" in done.timings
     assert _files(target) == set(manifest.files) and _contents(target) == _contents(one_part)
     assert b.finish().noop and begin_install(smoke_artifact, target).finish().noop
@@ -506,18 +509,128 @@ def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
     assert later.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is True and later.result(timeout=0).noop
 
 
+@pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "in-a-child"])
 @pytest.mark.parametrize("where", [0.5, 0.95])
 def test_a_corrupt_artifact_fails_the_first_part_with_the_target_unchanged(
-    smoke_artifact: Path, tmp_path: Path, where: float
+    smoke_artifact: Path, tmp_path: Path, where: float, in_child: bool
 ) -> None:
     """Every member is read and checked in each part, written or not: corruption anywhere in the stream fails the
-    first part, before a file is visible."""
+    first part, before a file is visible. In the install's child process too: its error is raised in the job's
+    process as the same ArtifactError, naming the artifact."""
     from kernelpack.installer import TIER1_ONLY, begin_install
 
     bad = corrupt_copy(smoke_artifact, tmp_path / "bad.kpack", where)
     target = tmp_path / "cache"
     installing = begin_install(bad, target)
-    assert installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is True
+    assert installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is True
     with pytest.raises(ArtifactError, match="the cache dir was left as it was"):
         installing.result(timeout=0)
     assert _files(target) == set() and isinstance(installing.error, ArtifactError)
+
+
+def test_a_pinned_install_in_a_child_owns_what_it_installs(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Issue 36: the install's child process reads the pinned artifact through the descriptor the job hashed it
+    through (passed under the same number), and refuses a planted file at one of its paths as the job's process
+    does, naming it, with nothing written; without the planted file it installs every file."""
+    from kernelpack import _fs
+    from kernelpack.installer import begin_install
+
+    sha = _fs.sha256_file(smoke_artifact)
+    rel = sorted(art.read_manifest(smoke_artifact).files)[-1]
+    target = tmp_path / "planted"
+    (target / rel).parent.mkdir(parents=True)
+    (target / rel).write_bytes(b"planted")
+    before = tree_digest(target)
+    installing = begin_install(smoke_artifact, target, sha256=sha)
+    with pytest.raises(InstallError, match="hold other content") as e:
+        installing.finish(in_child=True)
+    assert rel in str(e.value) and tree_digest(target) == before
+    good = begin_install(smoke_artifact, tmp_path / "good", sha256=sha).finish(in_child=True)
+    assert good.written == good.files
+    assert_installed(tmp_path / "good", smoke_artifact)
+
+
+_KILLED_PARENT = """
+import sys, time
+from kernelpack.installer import begin_install
+installing = begin_install(sys.argv[1], sys.argv[2])
+print("started", flush=True)
+installing.finish(in_child=True)
+print("finished", flush=True)
+"""
+
+
+def test_the_install_s_child_rolls_back_when_the_job_dies(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Issue 36: the job (the child's parent) SIGKILLed while its child extracts: the child sees its stdin close,
+    stops and removes what it staged and linked. Nothing is left half-written: no file of the artifact, no staging
+    directory, no marker; and the child does not outlive the job by more than a moment. The child is paused
+    (SIGSTOP) while it holds staged files, so that the kill lands mid-install every time."""
+    import signal
+    import time
+
+    artifact = _big_artifact(smoke_artifact, tmp_path)
+    target = tmp_path / "cache"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PARENT, str(artifact), str(target)], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None and parent.stdout.readline().strip() == "started"
+    child = None
+    deadline = time.monotonic() + 120
+    while child is None and time.monotonic() < deadline:
+        staged = [p for p in target.glob(".kernelpack-tmp-*/*") if p.name != ".owner"] if target.exists() else []
+        kids = _children(parent.pid)
+        if staged and kids:
+            child = kids[0]
+            os.kill(child, signal.SIGSTOP)
+        time.sleep(0.002)
+    assert child is not None, "the install finished before it could be paused"
+    parent.kill()
+    parent.wait()
+    os.kill(child, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child), "the install's child outlived the job"
+    left = [p.relative_to(target).as_posix() for p in target.rglob("*") if p.is_file()]
+    assert left == [], left
+
+
+def _big_artifact(smoke_artifact: Path, tmp_path: Path) -> Path:
+    """The smoke artifact plus 40 files of 1 MiB (random bytes: zstd cannot shrink them), so that an install takes
+    long enough to be caught in the middle."""
+    import dataclasses
+    import random
+
+    rng = random.Random(0)
+    tree = tmp_path / "tree"
+    manifest = art.unpack(smoke_artifact, tree)
+    files = dict(manifest.files)
+    for i in range(40):
+        rel = f"triton/0/{hashlib.sha256(str(i).encode()).hexdigest()[:52]}/kernel.cubin"
+        (tree / rel).parent.mkdir(parents=True)
+        data = rng.randbytes(1 << 20)
+        (tree / rel).write_bytes(data)
+        files[rel] = art.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
+    big = dataclasses.replace(manifest, files=dict(sorted(files.items())))
+    return art.pack(tmp_path / "big.kpack", big, {rel: tree / rel for rel in files}, level=1)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

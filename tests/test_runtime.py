@@ -154,6 +154,21 @@ def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact
     # one of the job's threads (KERNELPACK_LOAD=lazy)
     assert [w for w, _ in out["first_calls"]] == [True, False], out
     assert out["first_calls"][0][1] == "kernelpack-warmup" and out["first_calls"][1][1] != "MainThread", out
+    # the files are written by the install's child process, not beside the imports under this process's GIL; and
+    # inductor's own torch_key is not computed (kernelpack's reading of torch's sources matched the artifact's)
+    assert out["installed"] > 0 and out["extracted_here"] == [] and out["inductor_key_reads"] == [], out
+
+
+def test_a_background_start_can_install_in_its_own_process_and_reads_inductors_key_where_ours_differs(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """KERNELPACK_INSTALL_PROCESS=0: the install's thread writes the files in the job's process (both parts). And
+    where kernelpack's reading of torch's sources is not what matched the artifact (KERNELPACK_TEST_MISREAD: a torch
+    whose sources it would misread), the start's thread computes inductor's own torch_key, which decides."""
+    out = scenario("background", smoke_artifact, tmp_path, KERNELPACK_INSTALL_PROCESS="0", KERNELPACK_TEST_MISREAD="1")
+    assert out["errors"] == [] and out["compiled"] == 0, out
+    assert out["installed"] > 0 and set(out["extracted_here"]) == {"kernelpack-install"}, out
+    assert out["inductor_key_reads"] == ["kernelpack-warmup"], out
 
 
 def test_a_call_waits_for_a_background_warm_up_only_so_long(

@@ -289,7 +289,8 @@ ours = inductor.torch_key(expected=sys.argv[1])  # an artifact's key that differ
 before = "torch._inductor.codecache" in sys.modules or "torch._dynamo" in sys.modules
 ours_again = inductor.torch_key(expected=ours)
 print(json.dumps({"ours": ours, "imported_inductor": before, "torch": inductor.inductor_torch_key(),
-                  "after": inductor.torch_key(), "again": ours_again}))
+                  "after": inductor.torch_key(), "again": ours_again, "read_as": inductor.read_as(sys.argv[1]),
+                  "read_as_other": inductor.read_as("00" * 32)}))
 """
 MISREAD = """
 import json, sys
@@ -308,6 +309,8 @@ def test_torch_key_is_read_as_inductor_computes_it_without_importing_inductor() 
     out = run_json([sys.executable, "-c", TORCH_KEY, first["torch"]])
     assert out["imported_inductor"] is False, out
     assert len(out["ours"]) == 64 and out["ours"] == out["torch"] == out["after"] == out["again"], out
+    # read_as: what lets a background start skip inductor's own computation (only where kernelpack's reading matched)
+    assert out["read_as"] is True and out["read_as_other"] is False and first["read_as"] is False, (out, first)
     assert first["imported_inductor"] is True and first["ours"] == out["torch"], first
     # a misreading never refuses an artifact: inductor's own value is what the artifact is compared with then
     misread = run_json([sys.executable, "-c", MISREAD])

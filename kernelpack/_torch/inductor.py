@@ -36,6 +36,13 @@ def torch_key(expected: str | None = None) -> str:
     return inductor_torch_key() if expected is not None and ours != expected else ours
 
 
+def read_as(expected: str) -> bool:
+    """Whether :func:`torch_key` found kernelpack's own reading of torch's sources equal to ``expected`` in this
+    process (then inductor's own value needs no second computation: both read the same bytes the same way, which
+    tests/test_torch_internals.py checks on every torch version kernelpack supports). torch 2.11-2.15."""
+    return _source_key.cache_info().currsize > 0 and _source_key() == expected
+
+
 def import_compiler() -> None:
     """Import what every compile and every precompiled load imports first: Dynamo and inductor's code cache (the
     rest, lowering and kernel templates, a precompiled function's first load imports). torch 2.11-2.15."""

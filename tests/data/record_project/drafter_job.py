@@ -115,4 +115,5 @@ print_report(
     activated=activated,
     frames_before=frames_before,
     activation=activation,
+    start=start,
 )

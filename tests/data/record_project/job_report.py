@@ -19,6 +19,7 @@ def print_report(
     activated: float,
     frames_before: int,
     activation: Any,
+    start: float | None = None,
 ) -> None:
     steady = sorted(step_seconds)
     out: dict[str, Any] = {
@@ -48,4 +49,8 @@ def print_report(
             start_error=d["start_error"],
             served=sorted({s["tier"] for s in d["served"]}),
         )
+        warm = activation.warmup
+        if start is not None and warm is not None and warm.timeline:
+            # the background start's phases, each its end in seconds from the clock's start (the activate() line)
+            out["start_timeline"] = {k: round(v - start, 3) for k, v in warm.timeline.items()}
     print(json.dumps(out))
