@@ -3,8 +3,9 @@
 The names a training script uses, resolved lazily: ``import kernelpack``, ``kernelpack --help`` and
 ``kernelpack inspect`` never import torch.
 
-- ``kernelpack.install(artifact)``, ``kernelpack.install_from(registry, recipe)``: job start without the runtime guard
-  (:mod:`kernelpack.runtime` has ``activate()``, the start with it);
+- ``kernelpack.activate(artifact)``: job start with the runtime guard (install, warm-up, refusals), and
+  ``kernelpack.report()``: what the process compiled since (:mod:`kernelpack.runtime`);
+- ``kernelpack.install(artifact)``, ``kernelpack.install_from(registry, recipe)``: job start without the guard;
 - ``kernelpack.flex_attention``: torch's flex_attention, compiled once for the process and guarded;
 - ``kernelpack.rank_cache_dir()``: a private cache dir per worker on a node;
 - ``kernelpack.masks``: the canonical mask_mods and the BlockMask helper;
@@ -21,21 +22,25 @@ from ._version import __version__
 
 __all__ = [
     "__version__",
+    "activate",
     "flex_attention",
     "install",
     "install_from",
     "masks",
     "rank_cache_dir",
     "recording",
+    "report",
     "runtime",
 ]
 
 _FROM = {
+    "activate": "runtime",
     "flex_attention": "runtime",
     "install": "runtime",
     "install_from": "runtime",
-    "rank_cache_dir": "installer",
+    "rank_cache_dir": "runtime",
     "recording": "record",
+    "report": "runtime",
 }
 
 

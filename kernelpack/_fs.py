@@ -69,7 +69,7 @@ _KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", st
 def check_replaceable(final: Path) -> None:
     """Raise :class:`NotARegularFile` unless ``final`` is absent or a regular file. A rename replaces whatever
     the name holds: ``kernelpack lock -o /dev/null`` as root in a CI container would replace the system's
-    /dev/null, and over a symlink it would replace the link, not the file it names (issue 34)."""
+    /dev/null, and over a symlink it would replace the link, not the file it names."""
     try:
         mode = os.lstat(final).st_mode
     except FileNotFoundError:

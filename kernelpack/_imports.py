@@ -1,7 +1,7 @@
 """Post-import hooks (run a function once a module is imported), and imports made alone in one thread.
 
 kernelpack watches torch's compilers (Dynamo's per-compile metrics, inductor's C++ builds, Triton's listener) and
-raises Dynamo's recompile limit. Importing Dynamo and inductor to do that costs a job's start 1.5-3.5 s (issue 36),
+raises Dynamo's recompile limit. Importing Dynamo and inductor to do that costs a job's start 1.5-3.5 s,
 and nothing can compile before they are imported: so each hook attaches the moment its module finishes importing, in
 the importing thread, before any code can use it (PEP 369's post-import hooks; wrapt's ``register_post_import_hook``
 works the same way). One case is not hooked: a module that another thread is importing at the moment the hook is

@@ -15,7 +15,8 @@ import click
 
 from .build import BuildLines, ConfigOutcome, hms
 from .build import BuildProgressBase as _BuildBase
-from .recipe import Config
+from .config import Config
+from .records import VerifiedConfig, VerifyReport
 from .verify import VerifyProgress
 
 MODES = ("auto", "live", "plain", "jsonl", "none")
@@ -110,8 +111,8 @@ def build_progress(mode: str) -> _BuildBase:
     return {"live": BuildLive, "plain": BuildLines, "jsonl": BuildJsonl, "none": _BuildBase}[_mode(mode)]()
 
 
-def _tiers(config: dict[str, Any]) -> str:
-    return ", ".join(f"{g} {t['tier']}" for g, t in config.get("tiers", {}).items())
+def _tiers(config: VerifiedConfig) -> str:
+    return ", ".join(f"{g} {t.tier}" for g, t in config.tiers.items())
 
 
 class VerifyRender(VerifyProgress):
@@ -134,19 +135,19 @@ class VerifyRender(VerifyProgress):
             self.status = Console(stderr=True).status(f"verifying {total} config(s) in a fresh process")
             self.status.start()
 
-    def config_done(self, config: dict[str, Any]) -> None:
+    def config_done(self, config: VerifiedConfig) -> None:
         self.done += 1
-        ok = not config["reasons"]
+        ok = config.ok
         elapsed = time.perf_counter() - self.t0
         if self.mode == "jsonl":
-            event = {"event": "config_done", "id": config["id"], "ok": ok, "seconds": round(config["seconds"], 3)}
-            click.echo(json.dumps({**event, "reasons": config["reasons"], "elapsed": round(elapsed, 3)}), err=True)
+            event = {"event": "config_done", "id": config.id, "ok": ok, "seconds": round(config.seconds, 3)}
+            click.echo(json.dumps({**event, "reasons": list(config.reasons), "elapsed": round(elapsed, 3)}), err=True)
             return
         if self.mode == "none":
             return
         line = (
-            f"[{self.done}/{self.total}] {'ok  ' if ok else 'FAIL'} {config['seconds']:6.2f}s {config['describe']} "
-            f"({_tiers(config)})" + ("" if ok else f": {', '.join(config['reasons'])}")
+            f"[{self.done}/{self.total}] {'ok  ' if ok else 'FAIL'} {config.seconds:6.2f}s {config.describe} "
+            f"({_tiers(config)})" + ("" if ok else f": {', '.join(config.reasons)}")
         )
         if self.status is not None:
             self.status.console.print(line, markup=False, highlight=False)
@@ -160,19 +161,19 @@ class VerifyRender(VerifyProgress):
             self.status = None
 
 
-def step_summary(path: str, data: dict[str, Any], artifact: str) -> None:
+def step_summary(path: str, report: VerifyReport, artifact: str) -> None:
     """verify's per-config table for GitHub Actions' job summary ($GITHUB_STEP_SUMMARY: appended Markdown)."""
     lines = [
         f"### kernelpack verify: `{artifact}`",
         "",
-        f"{len(data['configs'])} config(s), {data.get('precompiled', 0)} graph(s) served by precompiled functions, "
-        f"torch {data['torch']['version']} (`{data['torch']['git'][:12]}`)",
+        f"{len(report.configs)} config(s), {report.precompiled} graph(s) served by precompiled functions, "
+        f"torch {report.torch_version} (`{report.torch_git[:12]}`)",
         "",
         "| config | first call (s) | tiers | result |",
         "|---|---|---|---|",
     ]
-    for c in data["configs"]:
-        result = "ok" if not c["reasons"] else "FAIL: " + "; ".join(c["reasons"])
-        lines.append(f"| {c['describe']} | {c['seconds']:.2f} | {_tiers(c)} | {result.replace('|', '/')} |")
+    for c in report.configs:
+        result = "ok" if c.ok else "FAIL: " + "; ".join(c.reasons)
+        lines.append(f"| {c.describe} | {c.seconds:.2f} | {_tiers(c)} | {result.replace('|', '/')} |")
     with open(path, "a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n\n")

@@ -104,7 +104,7 @@ def run(
     env = {**env, EVENTS_ENV: str(events)} if on_event else dict(env)
     env[PARENT_ENV] = str(os.getpid())
     # No working directory first on sys.path (python -m puts it there): a zstandard.py or torch/ in the directory
-    # kernelpack runs in must not shadow the installed one (issue 34). child_main appends it instead, for the user's
+    # kernelpack runs in must not shadow the installed one. child_main appends it instead, for the user's
     # mask factories. Python >= 3.11; on 3.10 child_main moves it.
     env["PYTHONSAFEPATH"] = "1"
     start = time.perf_counter()

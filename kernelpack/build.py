@@ -27,12 +27,15 @@ from typing import Any
 
 from . import _fs, _worker, closures, evidence, settings
 from . import artifact as art
+from . import manifest as mf
 from .canonical import marks as canonical_marks
 from .compiled import free_mask_values, key_settings, marking, trace_settings
+from .config import Config
 from .errors import BuildError, KernelpackError, RecipeError, printable
 from .keys import BuildKey, probe
 from .masks import block_mask_for, rows_guaranteed_safe_problem
-from .recipe import Config, Recipe, load_recipe
+from .recipe import Recipe, load_recipe
+from .records import BuiltFunction, WorkerResult
 from .signature import Graph, mask_key
 from .workload import check_errors, range_lengths, run_config
 
@@ -55,7 +58,8 @@ class ConfigOutcome:
     log_tail: str = ""
     log_path: Path | None = None  # the worker's whole output (kept when a build fails)
     cache_dir: Path | None = None
-    precompiled: dict[str, Any] = field(default_factory=dict)  # tier 2: {"graphs": {graph: {path, seconds}}, "missing"}
+    functions: dict[str, BuiltFunction] = field(default_factory=dict)  # tier 2: graph -> its precompiled function
+    not_precompiled: str = ""  # why some graph has none
     wall_seconds: float = 0.0  # the worker process, start-up included (a timed-out worker has no ``seconds``)
 
 
@@ -171,7 +175,7 @@ class BuildLines(BuildProgressBase):
 @dataclass(frozen=True, slots=True)
 class BuildResult:
     artifact: Path | None
-    manifest: art.Manifest | None
+    manifest: mf.Manifest | None
     outcomes: list[ConfigOutcome]
     seconds: float
 
@@ -309,8 +313,8 @@ def preflight(recipe: Recipe, configs: Sequence[Config], devices: Sequence[int],
 def _references_run(recipe: Recipe, configs: Sequence[Config]) -> None:
     """Each function reference (``{ function = "mod:qualname", closure = {...} }``) made again and called once on
     index scalars, as flex calls it, before any worker starts: a closure value of the wrong type for its function
-    (``window = "128"``) failed inside every build worker, or at ``activate()``, with the function's own TypeError
-    (issue 34). A factory (``"pkg.mod:factory"``) is the user's code, built per config: its failures stay per-config
+    (``window = "128"``) failed inside every build worker, or at ``activate()``, with the function's own TypeError.
+    A factory (``"pkg.mod:factory"``) is the user's code, built per config: its failures stay per-config
     build failures (``--keep-going`` ships the rest)."""
     import torch
 
@@ -421,27 +425,27 @@ def _run_worker(
         timeout=timeout,
         stop=stop,
     )
-    r = outcome.value or {}
-    problem = r.get("problem")  # the reference check failed
-    messages = [m for m in (problem, outcome.error) if m]
+    r = WorkerResult.from_dict(outcome.value) if outcome.value is not None else WorkerResult()
+    messages = [m for m in (r.problem, outcome.error) if m]  # r.problem: the reference check failed
     return ConfigOutcome(
         config,
-        outcome.ok and not problem,
+        outcome.ok and not r.problem,
         device_index,
-        seconds=r.get("seconds", 0.0),
-        errors=r.get("errors", {}),
-        counters=r.get("counters", {}),
-        build_key=r.get("build_key"),
-        mask_key=r.get("mask_key", ""),
-        mask_free=tuple(r.get("mask_free", ())),
-        marks=tuple(r.get("marks", ())),
-        score_key=r.get("score_key", ""),
-        key_settings=r.get("key_settings", {}),
+        seconds=r.seconds,
+        errors=r.errors,
+        counters=r.counters,
+        build_key=r.build_key or None,
+        mask_key=r.mask_key,
+        mask_free=r.mask_free,
+        marks=r.marks,
+        score_key=r.score_key,
+        key_settings=r.key_settings,
         message="; ".join(messages),
         log_tail=outcome.log_tail,
         log_path=outcome.log_path,
         cache_dir=cache_dir,
-        precompiled=r.get("precompiled", {}),
+        functions=r.functions,
+        not_precompiled=r.missing,
         wall_seconds=outcome.seconds,
     )
 
@@ -453,7 +457,7 @@ def _package(
     out_dir: Path,
     level: int,
     shard: tuple[int, int] | None = None,
-) -> tuple[Path, art.Manifest]:
+) -> tuple[Path, mf.Manifest]:
     keys = {BuildKey.from_dict(o.build_key or {}) for o in built}
     if len(keys) != 1:
         raise BuildError(f"workers reported different build keys: {sorted(map(str, keys))}")
@@ -473,12 +477,12 @@ def _package(
         assert o.cache_dir is not None
         for rel, p in art.scan_tree(o.cache_dir).items():
             sources.setdefault(rel, p)
-    manifest = art.Manifest(
-        name=art.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}"),
-        created=art.created_now(),
+    manifest = mf.Manifest(
+        name=mf.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}"),
+        created=mf.created_now(),
         recipe={**recipe.normalized, "sha256": recipe.sha256},
         configs=_built_configs(built),
-        failed=tuple(art.FailedConfig(config=o.config, device=o.device_index, error=o.message) for o in failed),
+        failed=tuple(mf.FailedConfig(config=o.config, device=o.device_index, error=o.message) for o in failed),
         build_key=key,
         files={e.path: e for e in art.hash_files(sources)},
         shard=None if shard is None else f"{shard[0]}/{shard[1]}",
@@ -487,7 +491,7 @@ def _package(
     return art.pack(out_dir / manifest.name, manifest, sources, level=level), manifest
 
 
-def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
+def _built_configs(built: list[ConfigOutcome]) -> tuple[mf.BuiltConfig, ...]:
     """One manifest entry per config, listing the device indices it was built and checked on."""
     by_id: dict[str, list[ConfigOutcome]] = {}
     for o in built:
@@ -502,7 +506,7 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
         if len(score_keys) != 1:
             raise BuildError(f"config {outs[0].config.describe()}: its score_mod differs between workers: {score_keys}")
         entries.append(
-            art.BuiltConfig(
+            mf.BuiltConfig(
                 config=outs[0].config,
                 devices=tuple(o.device_index for o in outs),
                 mask_key=mask,
@@ -513,13 +517,13 @@ def _built_configs(built: list[ConfigOutcome]) -> tuple[art.BuiltConfig, ...]:
                 compile_seconds_by_device=tuple((o.device_index, round(o.seconds, 3)) for o in outs),
                 max_rel_error=max((e for o in outs for e in o.errors.values()), default=0.0),
                 precompiled=tuple(
-                    art.Precompiled(
-                        device=o.device_index, graph=g, path=p["path"], sha256=p["sha256"], seconds=p["seconds"]
-                    )
+                    # a graph of the config's own (the manifest's reader checks it again)
+                    mf.Precompiled(device=o.device_index, graph=g, path=f.path, sha256=f.sha256, seconds=f.seconds)
                     for o in outs
-                    for g, p in sorted(o.precompiled.get("graphs", {}).items())
+                    for g in o.config.graphs
+                    if (f := o.functions.get(g)) is not None
                 ),
-                not_precompiled="; ".join(sorted({m for o in outs if (m := o.precompiled.get("missing"))})),
+                not_precompiled="; ".join(sorted({o.not_precompiled for o in outs if o.not_precompiled})),
             )
         )
     return tuple(entries)
@@ -551,7 +555,7 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
     lengths = range_lengths(config, 2, seed=int(config.id, 16))
     unsafe = rows_guaranteed_safe_problem(config, device, lengths)
     if unsafe:  # refused before compiling: the kernel would be shipped computing NaN (its reference is not Triton's)
-        return {"problem": unsafe, "build_key": probe(config.device, index).to_dict(), "errors": {}, "counters": {}}
+        return WorkerResult(problem=unsafe, build_key=probe(config.device, index).to_dict()).to_dict()
     # a dynamic config's graph: symbolic in what differs between the ends of its ranges, static in the rest
     marks = canonical_marks(config, device)
     with marking(marks):
@@ -571,20 +575,21 @@ def _build_one(payload: dict[str, Any]) -> dict[str, Any]:
         )
         problem = f"{problem}; {range_problem}" if problem else range_problem
     counters = evidence.delta(before, evidence.snapshot())  # tier 1's compile, as before tier 2
-    tier2 = _precompile(config, device, index, marks) if not problem else {"graphs": {}, "missing": "not built"}
-    return {
-        "seconds": call.seconds,
-        "errors": call.errors,
-        "counters": counters,
-        "build_key": probe(config.device, index).to_dict(),
-        "mask_key": mask_key(bm.mask_mod, free),
-        "mask_free": list(free),
-        "marks": list(marks),
-        "score_key": call.score_key,
-        "key_settings": key_settings(config.device),
-        "problem": problem,
-        "precompiled": tier2,
-    }
+    functions, missing = _precompile(config, device, index, marks) if not problem else ({}, "not built")
+    return WorkerResult(
+        seconds=call.seconds,
+        errors=dict(call.errors),
+        counters=counters,
+        build_key=probe(config.device, index).to_dict(),
+        mask_key=mask_key(bm.mask_mod, free),
+        mask_free=tuple(free),
+        marks=tuple(marks),
+        score_key=call.score_key,
+        key_settings=key_settings(config.device),
+        problem=problem or "",
+        functions=functions,
+        missing=missing,
+    ).to_dict()
 
 
 def _pinned_varying(config: Config, free: tuple[str, ...]) -> str:
@@ -627,11 +632,12 @@ def _free_values(config: Config, device: str, bm: Any) -> tuple[str, ...]:
     return tuple(sorted(free or ()))
 
 
-def _precompile(config: Config, device: str, index: int, marks: tuple[str, ...]) -> dict[str, Any]:
-    """Tier 2 (issue 18): each graph's canonical call aot-compiled (after tier 1's compile, whose inductor cache it
-    reuses) and saved into this worker's cache dir, so packed and hashed with tier 1's files. Returns
-    ``{"graphs": {graph: {"path", "seconds"}}, "missing": why some graph has none}``; a failure here leaves tier 1
-    serving the graph."""
+def _precompile(
+    config: Config, device: str, index: int, marks: tuple[str, ...]
+) -> tuple[dict[str, BuiltFunction], str]:
+    """Tier 2: each graph's canonical call aot-compiled (after tier 1's compile, whose inductor cache it
+    reuses) and saved into this worker's cache dir, so packed and hashed with tier 1's files. Returns each graph's
+    function and why some graph has none; a failure here leaves tier 1 serving the graph."""
     from . import precompiled, settings
     from .canonical import arguments, make_inputs
     from .masks import block_mask_for
@@ -640,10 +646,10 @@ def _precompile(config: Config, device: str, index: int, marks: tuple[str, ...])
     if reason is None and not settings.precompile_at_build():
         reason = "built with KERNELPACK_PRECOMPILE=0"
     if reason is not None:
-        return {"graphs": {}, "missing": reason}
+        return {}, reason
     cache = settings.inductor_cache_dir()
     assert cache is not None  # the builder gives every worker its own
-    graphs: dict[str, Any] = {}
+    graphs: dict[str, BuiltFunction] = {}
     missing = []
     bm = block_mask_for(config, device)
     for graph in config.graphs:
@@ -665,8 +671,8 @@ def _precompile(config: Config, device: str, index: int, marks: tuple[str, ...])
         rel = precompiled.file_name(config.id, index, graph, sha)
         (Path(cache) / rel).parent.mkdir(parents=True, exist_ok=True)
         _fs.write_bytes(Path(cache) / rel, blob)
-        graphs[graph] = {"path": rel, "sha256": sha, "seconds": round(time.perf_counter() - start, 3)}
-    return {"graphs": graphs, "missing": "; ".join(missing)}
+        graphs[graph] = BuiltFunction(rel, sha, round(time.perf_counter() - start, 3))
+    return graphs, "; ".join(missing)
 
 
 def _outside_guards(fn: Any, config: Config, device: str, graph: Graph) -> tuple[int, int] | None:

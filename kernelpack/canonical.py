@@ -24,7 +24,7 @@ from .signature import Strides, parse_layout, split_layout
 if TYPE_CHECKING:
     import torch
 
-    from .recipe import Config
+    from .config import Config
     from .signature import Graph
 
 

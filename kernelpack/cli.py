@@ -24,7 +24,7 @@ from ._version import __version__
 from .errors import KernelpackError, printable
 
 if TYPE_CHECKING:
-    from .artifact import Manifest
+    from .manifest import Manifest
 
 
 def _parse_devices(text: str) -> list[int]:
@@ -204,7 +204,8 @@ def _warn_not_precompiled(m: Manifest) -> None:
 )
 def inspect_cmd(artifact: str, as_json: bool, check: bool) -> None:
     """Show an artifact's manifest without extracting it (does not import torch)."""
-    from .artifact import FORMAT_VERSION, check_members, read_manifest
+    from .artifact import check_members, read_manifest
+    from .manifest import FORMAT_VERSION
 
     checked = check_members(artifact) if check else None  # raises naming the first bad member: nothing printed
     m = checked.manifest if checked is not None else read_manifest(artifact)
@@ -287,43 +288,41 @@ def verify_cmd(
     try:
         report = verify_artifact(artifact, seed=seed, check=check, progress=shown)
     except VerifyError as e:
-        if summary and e.data:
-            step_summary(summary, e.data, artifact)
-        if as_json and e.data:  # the counters of a failed verify are what the user needs
-            click.echo(json.dumps(e.data, indent=1))
+        if summary and e.report is not None:
+            step_summary(summary, e.report, artifact)
+        if as_json and e.report is not None:  # the counters of a failed verify are what the user needs
+            click.echo(json.dumps(e.report.to_dict(), indent=1))
         raise
     finally:
         shown.close()
-    data = report.data
     if summary:
-        step_summary(summary, data, artifact)
+        step_summary(summary, report, artifact)
     if as_json:
-        click.echo(json.dumps(data, indent=1))
+        click.echo(json.dumps(report.to_dict(), indent=1))
         return
-    t = data["totals"]
+    t = report.totals
     click.echo(
-        f"verified {len(data['configs'])} config(s) in shuffled order (seed {data['seed']}): "
-        f"fxgraph hits {t['inductor.fxgraph_cache_hit']} misses {t['inductor.fxgraph_cache_miss']}, "
-        f"autograd hits {t['aot_autograd.autograd_cache_hit']} misses {t['aot_autograd.autograd_cache_miss']}, "
-        f"triton compiled {t['triton_compiled']}, c++ compiled {t['cpp_compiled']}, dense calls "
-        f"{t['dense_calls']}"
+        f"verified {len(report.configs)} config(s) in shuffled order (seed {report.seed}): "
+        f"fxgraph hits {t.get('inductor.fxgraph_cache_hit', 0)} misses {t.get('inductor.fxgraph_cache_miss', 0)}, "
+        f"autograd hits {t.get('aot_autograd.autograd_cache_hit', 0)} misses "
+        f"{t.get('aot_autograd.autograd_cache_miss', 0)}, triton compiled {t.get('triton_compiled', 0)}, c++ compiled "
+        f"{t.get('cpp_compiled', 0)}, dense calls {t.get('dense_calls', 0)}"
     )
-    click.echo(f"install {data['install_seconds']:.2f} s, first calls {data['first_step_seconds']:.2f} s in total")
-    graphs = [(c, g, t) for c in data["configs"] for g, t in c.get("tiers", {}).items()]
-    tier1 = sorted({t.get("why") or "" for _, _, t in graphs if t["tier"] != "precompiled"})
+    click.echo(f"install {report.install_seconds:.2f} s, first calls {report.first_step_seconds:.2f} s in total")
+    graphs = [t for c in report.configs for t in c.tiers.values()]
+    tier1 = sorted({t.why for t in graphs if t.tier != "precompiled"})
     click.echo(
-        f"{data.get('precompiled', 0)} of {len(graphs)} graph(s) served by precompiled functions (tier 2)"
+        f"{report.precompiled} of {len(graphs)} graph(s) served by precompiled functions (tier 2)"
         + (f"; the inductor cache serves the rest: {'; '.join(tier1)}" if tier1 else "")
     )
     if check:  # the per-config reference errors, the numbers --check adds
         click.echo("reference check (max. relative error against float64, per graph):")
-        for c in data["configs"]:
-            errors = ", ".join(f"{g} {e:.2e}" for g, e in sorted(c.get("errors", {}).items()))
-            _echo(f"  {c['describe']}: {errors or 'not computed'}")
+        for c in report.configs:
+            errors = ", ".join(f"{g} {e:.2e}" for g, e in sorted(c.errors.items()))
+            _echo(f"  {c.describe}: {errors or 'not computed'}")
     if ctx.obj["verbose"]:
-        for c in data["configs"]:
-            tiers = ", ".join(f"{g} {t['tier']}" for g, t in c.get("tiers", {}).items())
-            _echo(f"  {c['describe']}: {c['seconds']:.2f} s ({tiers})")
+        for c in report.configs:
+            _echo(f"  {c.describe}: {c.seconds:.2f} s ({', '.join(f'{g} {t.tier}' for g, t in c.tiers.items())})")
 
 
 @commands.command(name="merge")
@@ -434,8 +433,8 @@ def lock_cmd(registry: str, recipe: str, out: str, storage_options: tuple[str, .
     """Pin every build of RECIPE in REGISTRY (artifact path and sha256 per build key)."""
     from .store import Registry, write_lock
 
-    data = write_lock(Registry(registry, _storage_options(storage_options)), recipe, out)
-    click.echo(f"wrote {out}: {len(data['artifacts'])} pinned build(s) of {recipe}")
+    lock = write_lock(Registry(registry, _storage_options(storage_options)), recipe, out)
+    click.echo(f"wrote {out}: {len(lock.pins)} pinned build(s) of {recipe}")
 
 
 def _factory_pairs(pairs: tuple[str, ...], option: str) -> dict[str, str]:
@@ -478,7 +477,8 @@ def record_cmd(
     command: tuple[str, ...],
 ) -> None:
     """Run COMMAND (after --) and write the recipe of every flex_attention call it made."""
-    from .record import Factories, Lengths, record_command
+    from .recipe_writer import Lengths
+    from .record import Factories, record_command
 
     factories = Factories(
         _factory_pairs(mask_factory, "--mask-factory"), _factory_pairs(score_factory, "--score-factory")

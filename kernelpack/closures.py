@@ -34,14 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import functions
-from .errors import KernelpackError
+from .errors import KernelpackError, NotRebuildable
 
 # the call's dimensions a tensor's shape or an int may follow (``{"dim": "kv_len - q_len"}``), by Config field name
 DIMS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")
-
-
-class NotRebuildable(KernelpackError):
-    """A function that cannot be named by reference: why, and what to write instead."""
 
 
 def describe(fn: Any, kind: str = "mask") -> dict[str, Any]:
@@ -366,7 +362,7 @@ def _factory_hint(kind: str, fn: Any = None) -> str:
         )
         body = f"    def make_{short}(config):\n        ...  # return your {kind} function itself{moved}\n"
     return (
-        f"write a factory that kernelpack calls with each recipe point (kernelpack.recipe.Config) and that returns "
+        f"write a factory that kernelpack calls with each recipe point (kernelpack.config.Config) and that returns "
         f"your very {kind} function (the same code and name: both enter its key), in a module the builder can "
         f"import:\n\n    # my_masks.py\n    import torch\n{body}\n"
         f"then record again with {option} '{qualname or 'QUALNAME'}=my_masks:make_{short}' (or write "

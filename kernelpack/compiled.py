@@ -283,7 +283,7 @@ def recompile_floor() -> int:
 
 
 def apply_thread_config() -> None:
-    if _dynamo.imported():  # nothing traces before Dynamo is imported, and importing it costs a second (issue 36)
+    if _dynamo.imported():  # nothing traces before Dynamo is imported, and importing it costs a second
         _dynamo.raise_recompile_limit(_recompile_floor)
 
 

@@ -183,9 +183,9 @@ class BuildError(KernelpackError, RuntimeError):
 class VerifyError(KernelpackError, RuntimeError):
     """The artifact does not make the recipe's first calls compile nothing."""
 
-    def __init__(self, message: str, *, failed: Sequence[str] = (), data: dict[str, Any] | None = None) -> None:
+    def __init__(self, message: str, *, failed: Sequence[str] = (), report: Any = None) -> None:
         self.failed = list(failed)
-        self.data = data  # the report, when the fresh process ran to its end
+        self.report = report  # the records.VerifyReport, when the fresh process ran to its end
         super().__init__(
             message,
             hint="rebuild the artifact with this torch build; kernelpack verify --json ARTIFACT prints every "
@@ -303,3 +303,11 @@ class DenseFallbackError(KernelpackError, RuntimeError):
             hint="call kernelpack.flex_attention (compiled), never torch's flex_attention eagerly; see README "
             "'How to make your model hit the artifact'",
         )
+
+
+class RecordError(KernelpackError):
+    """Recording found calls it cannot write as a recipe, or none at all (:mod:`kernelpack.record`)."""
+
+
+class NotRebuildable(KernelpackError):
+    """A function that cannot be named by reference (:mod:`kernelpack.closures`): why, and what to write instead."""

@@ -69,7 +69,7 @@ def install_hooks(*, refuse_dense: bool = False) -> None:
         _hook_dense()
         _installed = True
     # Triton's listener and inductor's C++ builds the moment their modules are imported (nothing compiles before
-    # they are): importing them here would cost the job's start 1.5-3 s (issue 36). Outside the lock: a module
+    # they are): importing them here would cost the job's start 1.5-3 s. Outside the lock: a module
     # imported already is hooked now, in this thread.
     global triton_detection
     if importlib.util.find_spec("triton") is None:

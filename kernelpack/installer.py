@@ -31,6 +31,7 @@ from typing import IO, cast
 
 from . import _fs, _lock, settings
 from . import artifact as art
+from . import manifest as mf
 from ._torch.inductor import CPP_UNSAFE_PATH_CHARS
 from .errors import ArtifactError, InstallError, KernelpackError, KernelpackWarning, KeyMismatchError, LockTimeoutError
 from .keys import differences, probe
@@ -50,7 +51,7 @@ class InstallResult:
     artifact: str
     sha256: str
     cache_dir: str
-    manifest: art.Manifest
+    manifest: mf.Manifest
     files: int  # files in the artifact
     written: int  # moved into place by this call
     present: int  # already there with identical content
@@ -84,19 +85,6 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     if real.exists() and not real.is_dir():
         raise InstallError(str(path), "is not a directory", hint="point the cache directory at a directory")
     return path
-
-
-def rank_cache_dir(base: str | os.PathLike[str] | None = None, local_rank: int | None = None) -> Path:
-    """A private cache dir per worker on a node: ``<base>/rank<LOCAL_RANK>`` (base: the inductor cache dir).
-
-    For jobs that keep one cache per rank instead of sharing the node directory; both are safe with concurrent
-    installers. ``local_rank`` defaults to $LOCAL_RANK.
-    """
-    if local_rank is None:
-        local_rank = settings.local_rank()
-        if local_rank is None:
-            raise KernelpackError("LOCAL_RANK is not set", hint="pass local_rank= or run under torchrun")
-    return resolve_cache_dir(base) / f"rank{local_rank}"
 
 
 def destination(cache_dir: Path, rel: str) -> Path:
@@ -276,7 +264,7 @@ class Installing:
         path: str,
         name: str,
         target: Path,
-        manifest: art.Manifest,
+        manifest: mf.Manifest,
         mismatches: list[tuple[str, str, str]],
         stack: contextlib.ExitStack,
         *,
@@ -430,7 +418,7 @@ class Installing:
 
 def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
     """Refuse, before anything is written or loaded, a cache dir that torch could not use or that someone else
-    could change: one another user can write (what is installed there is code every worker runs: issue 34), one
+    could change: one another user can write (what is installed there is code every worker runs), one
     this process cannot write (torch takes its locks and writes new entries there, so even a complete install fails
     at the first load: ``InductorError: ... Read-only file system: '<cache>/locks'``), one under a file, and, for a
     CPU artifact, a path torch's C++ build command cannot carry. TRITON_CACHE_DIR, where set, the same."""
@@ -495,7 +483,7 @@ def _check_state_dir(target: Path, marker: Path | None = None) -> None:
 
 
 def _marker_valid(
-    marker: Path, target: Path, manifest: art.Manifest, pinned: bool = False, *, only: Collection[str] | None = None
+    marker: Path, target: Path, manifest: mf.Manifest, pinned: bool = False, *, only: Collection[str] | None = None
 ) -> bool:
     """The marker counts only while every file it vouches for is still there: with its size, or, for an entry that
     was already in the cache with other content (kept), at all. ``pinned``: with its sha256, and nothing kept.
@@ -555,7 +543,7 @@ def _node_lock(target: Path) -> Iterator[None]:
 
 def _extract(
     path: str,
-    manifest: art.Manifest,
+    manifest: mf.Manifest,
     target: Path,
     pinned: bool = False,
     mark: tuple[Path, dict[str, object]] | None = None,
@@ -575,7 +563,7 @@ def _extract(
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
-    staged: list[tuple[Path, Path, art.FileEntry]] = []  # (staged file, destination, entry)
+    staged: list[tuple[Path, Path, mf.FileEntry]] = []  # (staged file, destination, entry)
     by_rel: dict[str, Path] = {}
     counts = dataclasses.replace(before, kept=list(before.kept)) if before is not None else _Counts()
     try:
@@ -653,7 +641,7 @@ def _extract(
 
 def _extract_in_child(
     path: str,
-    manifest: art.Manifest,
+    manifest: mf.Manifest,
     target: Path,
     pinned: bool = False,
     mark: tuple[Path, dict[str, object]] | None = None,

@@ -22,7 +22,7 @@ from .signature import DEFAULT_BLOCK_SIZE, mask_key
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-    from .recipe import Config
+    from .config import Config
 
 MaskMod = Callable[..., Any]
 

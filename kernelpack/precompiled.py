@@ -14,7 +14,7 @@ from typing import Any
 
 from . import _fs, functions
 from ._torch.aot import Loaded, compile_call, dumps, guards_pass, load_unavailable, loads, unavailable
-from .artifact import PRECOMPILED_DIR
+from .manifest import PRECOMPILED_DIR
 
 __all__ = [
     "Loaded",

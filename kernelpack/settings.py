@@ -167,7 +167,7 @@ def load_precompiled_lazily() -> bool:
     """``KERNELPACK_LOAD``: ``lazy`` (the default): activate()'s warm-up loads and calls one precompiled function
     (what every load imports and initializes is paid once, by the first), and each other one loads at its
     signature's first call (loading traces nothing, so any thread may, the autograd engine's included): start-up
-    grows with what the job calls, not with the artifact (issue 36). ``eager``: the warm-up loads and calls every
+    grows with what the job calls, not with the artifact. ``eager``: the warm-up loads and calls every
     one, and a signature whose function fails to load is served by the inductor cache (traced then) instead of
     refused at its first call."""
     raw = os.environ.get("KERNELPACK_LOAD", "")

@@ -4,7 +4,7 @@ It is the unit of coverage (an artifact covers a set of signatures), of first-ca
 the first call of each signature alone) and of every explanation (a miss is told by :meth:`CallSignature.differences`
 against the nearest covered signature).
 
-:class:`CallParams` holds the fields a recipe point and a call share; :class:`recipe.Config` (a recipe point) adds how
+:class:`CallParams` holds the fields a recipe point and a call share; :class:`config.Config` (a recipe point) adds how
 the mask is declared, :class:`CallSignature` (a call) adds what the mask computes and the device index. Adding a field
 that selects a graph is one field here, with a default: equality, hashing, ``describe()``, ``differences()``,
 the manifest's JSON and the recipe point's id pick it up from the dataclass fields.
@@ -72,7 +72,7 @@ _LAYOUT_FIELDS = frozenset(
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CallParams:
     """What a recipe point and a call share. Not validated here: a call may be anything (a float64 call is simply
-    never covered); :class:`kernelpack.recipe.Config` validates what a recipe may ask for."""
+    never covered); :class:`kernelpack.config.Config` validates what a recipe may ask for."""
 
     device: Device
     batch: int

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 
 from . import _fs, _lock, settings
 from . import artifact as art
+from . import manifest as mf
 from .errors import (
     KernelpackError,
     KernelpackWarning,
@@ -44,10 +45,10 @@ from .errors import (
 )
 from .keys import BuildKey, device_slug, differences, probe
 from .recipe import check_name
+from .records import Lock, Pin
 
 INDEX = "index.json"
 ENTRY_SUFFIX = ".json"
-LOCK_FORMAT = 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,8 +88,8 @@ class Entry:
         if problem:
             raise ValueError(f"recipe {d['recipe']!r} {problem}")
         name = d["name"]
-        if not safe_component(name) or not str(name).endswith(art.SUFFIX):
-            raise ValueError(f"name {name!r} is not a safe {art.SUFFIX} file name")
+        if not safe_component(name) or not str(name).endswith(mf.SUFFIX):
+            raise ValueError(f"name {name!r} is not a safe {mf.SUFFIX} file name")
         if not isinstance(d["sha256"], str) or not _SHA256.fullmatch(d["sha256"]):
             raise ValueError(f"sha256 {d['sha256']!r} is not 64 lowercase hex digits")
         for field_name, top in (("size", _MAX_PAYLOAD), ("created", _MAX_CREATED), ("configs", 1 << 32)):
@@ -223,7 +224,7 @@ class Registry:
                         self.url, "is a file, not a registry directory", hint="pass the registry's directory"
                     )
                 pattern = f"*/*/{SUPERSEDED}/*/*" if superseded else "*/*/*"
-                paths = sorted(self.fs.glob(self._p(f"{pattern}{art.SUFFIX}{ENTRY_SUFFIX}")))
+                paths = sorted(self.fs.glob(self._p(f"{pattern}{mf.SUFFIX}{ENTRY_SUFFIX}")))
             for p in paths:
                 try:
                     with self._errors(f"reading {p}"):
@@ -307,7 +308,7 @@ class Registry:
         path = str(artifact)
         sha256 = _fs.sha256_file(path) if os.path.isfile(path) else ""
         # Every member and the frame's end, before the registry is touched: a truncated or corrupt artifact would
-        # be published, pinned by `lock`, and fail every job's install (issue 34)
+        # be published, pinned by `lock`, and fail every job's install
         manifest = art.check_members(path).manifest
         if _fs.sha256_file(path) != sha256:
             raise KernelpackError(f"{path} changed while it was checked", hint="push it again once it is written")
@@ -375,7 +376,7 @@ class Registry:
         """The entries of one (recipe, build key) directory; a damaged entry counts as one of another artifact
         (sha256 "") so that only --force writes over it."""
         found = []
-        for p in sorted(self.fs.glob(posixpath.join(key_dir, f"*{art.SUFFIX}{ENTRY_SUFFIX}"))):
+        for p in sorted(self.fs.glob(posixpath.join(key_dir, f"*{mf.SUFFIX}{ENTRY_SUFFIX}"))):
             try:
                 blob = self._read(p, _MAX_ENTRY_BYTES)
                 entry = Entry.from_dict(json.loads(blob))
@@ -562,7 +563,7 @@ def download(registry: Registry, entry: Entry) -> tuple[Path, bool]:
             f"cannot use the download cache {cache}: {type(e).__name__}: {e}",
             hint="set KERNELPACK_DOWNLOAD_DIR to a writable directory",
         ) from None
-    final = cache / f"{entry.sha256}{art.SUFFIX}"  # entry.sha256 is 64 hex digits (Entry.from_dict)
+    final = cache / f"{entry.sha256}{mf.SUFFIX}"  # entry.sha256 is 64 hex digits (Entry.from_dict)
     with _lock.file_lock(cache / f"{entry.sha256}.lock", what="download"):
         if final.is_file() and not final.is_symlink():
             # reused only when it is the pinned artifact itself: its size is no proof
@@ -607,7 +608,7 @@ def _check_private(cache: Path) -> None:
 # ------------------------------------------------------------------------------------------------ lock files
 
 
-def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> dict[str, Any]:
+def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> Lock:
     """Pin every build of ``recipe`` in the registry: per build key, the artifact path and its sha256."""
     if not str(out).strip():
         raise KernelpackError(
@@ -622,61 +623,48 @@ def write_lock(registry: Registry, recipe: str, out: str | os.PathLike[str]) -> 
     entries = registry.entries(recipe)
     if not entries:
         raise NoMatchingArtifactError(registry.url, recipe, [], registry.recipes())
-    pins: dict[str, dict[str, Any]] = {}
+    pins: dict[str, Pin] = {}
     for e in entries:  # newest first: the newest build of each key is the pin
-        pins.setdefault(
-            e.key_id, {"key_id": e.key_id, "build_key": e.build_key, "path": e.path, "sha256": e.sha256, "size": e.size}
-        )
-    data = {
-        "format": LOCK_FORMAT,
-        "registry": registry.url,
-        "recipe": recipe,
-        "artifacts": sorted(pins.values(), key=lambda p: p["key_id"]),
-    }
+        pins.setdefault(e.key_id, Pin(e.key_id, dict(e.build_key), e.path, e.sha256, e.size))
+    lock = Lock(registry.url, recipe, tuple(sorted(pins.values(), key=lambda p: p.key_id)))
     out = Path(out)
     try:
-        _fs.write_bytes(out, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+        _fs.write_bytes(out, (json.dumps(lock.to_dict(), indent=1, sort_keys=True) + "\n").encode())
     except OSError as e:
         raise KernelpackError(f"cannot write the lock file {out}: {e}", hint="choose a writable path with -o") from e
-    return data
+    return lock
 
 
 _MAX_LOCK_BYTES = 16 << 20  # one pin per build key: a few hundred bytes each
 
 
-def read_lock(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_lock(path: str | os.PathLike[str]) -> Lock:
     try:
-        data = json.loads(_fs.read_regular(path, _MAX_LOCK_BYTES))
-        if not isinstance(data, dict):
-            raise ValueError("not a JSON object")
-        if data.get("format") != LOCK_FORMAT or not isinstance(data.get("artifacts"), list):
-            raise ValueError(f"unsupported lock format {data.get('format')!r}")
-        for pin in data["artifacts"]:
-            str(pin["key_id"]), str(pin["sha256"])
+        lock = Lock.from_dict(json.loads(_fs.read_regular(path, _MAX_LOCK_BYTES)))
     except FileNotFoundError:
         raise KernelpackError(f"lock file not found: {path}", hint="create it with kernelpack lock") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise KernelpackError(
             f"{path}: not a kernelpack lock file: {type(e).__name__}: {e}", hint="regenerate it with kernelpack lock"
         ) from None
-    return data
+    return lock
 
 
-def check_pin(lock: dict[str, Any], lock_path: str, entry: Entry) -> None:
-    if lock.get("recipe") != entry.recipe:
+def check_pin(lock: Lock, lock_path: str, entry: Entry) -> None:
+    if lock.recipe != entry.recipe:
         raise LockMismatchError(
-            f"{lock_path} pins recipe {lock.get('recipe')!r}, not {entry.recipe!r}", hint="use the recipe's lock file"
+            f"{lock_path} pins recipe {lock.recipe!r}, not {entry.recipe!r}", hint="use the recipe's lock file"
         )
-    pin = next((p for p in lock["artifacts"] if p["key_id"] == entry.key_id), None)
+    pin = lock.pinned(entry.key_id)
     if pin is None:
-        pinned = ", ".join(p["key_id"] for p in lock["artifacts"]) or "nothing"
+        pinned = ", ".join(p.key_id for p in lock.pins) or "nothing"
         raise LockMismatchError(
             f"{lock_path} has no pin for this build ({entry.key_id}); it pins {pinned}",
             hint="regenerate the lock file (kernelpack lock) after pushing an artifact for this build",
         )
-    if pin["sha256"] != entry.sha256:
+    if pin.sha256 != entry.sha256:
         raise LockMismatchError(
-            f"{entry.path}: sha256 {entry.sha256} does not match the pin {pin['sha256']} in {lock_path}",
+            f"{entry.path}: sha256 {entry.sha256} does not match the pin {pin.sha256} in {lock_path}",
             hint="the registry's artifact changed since the lock was written: review it, then regenerate the lock",
         )
 
@@ -707,7 +695,7 @@ def pull(
     entry = select(entries, _here_keys(entries, device_index), registry.url, recipe, known)
     if lock is not None:
         pins = read_lock(lock)
-        pinned = {p["sha256"] for p in pins["artifacts"] if p["key_id"] == entry.key_id}
+        pinned = {p.sha256 for p in pins.pins if p.key_id == entry.key_id}
         # the pinned build, not the current one: a newer push for this build (push --force keeps the one it
         # replaced, superseded) must not break or replace a pinned pull
         current = entry

@@ -13,7 +13,6 @@ import os
 import random
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from . import artifact as art
 from .compiled import marking
 from .errors import VerifyError
 from .installer import install_artifact
+from .records import GraphTier, VerifiedConfig, VerifyReport
 from .workload import (
     TOLERANCE,
     PrecompiledResult,
@@ -33,18 +33,13 @@ from .workload import (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
-    data: dict[str, Any]  # the worker's JSON report: per-config counters and time-to-first-call
-
-
 class VerifyProgress:
     """Progress callbacks, no-ops here; the CLI renders them. Called in the caller's thread while the fresh process
     works: ``start`` once installed, ``config_done`` per (config, device) with its entry of the report."""
 
     def start(self, total: int) -> None: ...
 
-    def config_done(self, config: dict[str, Any]) -> None: ...
+    def config_done(self, config: VerifiedConfig) -> None: ...
 
 
 def verify_artifact(
@@ -78,20 +73,20 @@ def verify_artifact(
     if outcome.value is None:
         tail = f"\n{outcome.log_tail}" if outcome.log_tail else ""
         raise VerifyError(f"{path}: verification failed: {outcome.error}{tail}")
-    data = outcome.value
-    failures = [c for c in data["configs"] if c["reasons"]]
+    report = VerifyReport.from_dict(outcome.value)
+    failures = report.failures
     if failures:
-        lines = [f"{path}: {len(failures)} of {len(data['configs'])} config(s) compiled on their first call:"]
-        lines += [f"- {c['describe']}: {', '.join(c['reasons'])}" for c in failures]
-        raise VerifyError("\n".join(lines), failed=[c["id"] for c in failures], data=data)
-    return VerifyReport(data)
+        lines = [f"{path}: {len(failures)} of {len(report.configs)} config(s) compiled on their first call:"]
+        lines += [f"- {c.describe}: {', '.join(c.reasons)}" for c in failures]
+        raise VerifyError("\n".join(lines), failed=[c.id for c in failures], report=report)
+    return report
 
 
 def _deliver(progress: VerifyProgress, event: dict[str, Any]) -> None:
     if event["event"] == "start":
         progress.start(event["total"])
     elif event["event"] == "config_done":
-        progress.config_done(event["config"])
+        progress.config_done(VerifiedConfig.from_dict(event["config"]))
 
 
 def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
@@ -101,16 +96,9 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
     path, seed, check = payload["artifact"], int(payload["seed"]), bool(payload["check"])
     n_lengths = int(payload.get("lengths", 20))
     evidence.install_hooks()
-    report: dict[str, Any] = {
-        "artifact": path,
-        "seed": seed,
-        "configs": [],
-        "torch": {"version": torch.__version__, "git": torch.version.git_version},
-        "triton_detection": evidence.triton_detection,
-    }
+    artifact = path
     result = install_artifact(path)
-    report["install_seconds"] = result.seconds
-    report["installed_files"] = result.written
+    verified: list[VerifiedConfig] = []
     pairs = result.manifest.pairs()
     random.Random(seed).shuffle(pairs)
     _worker.emit({"event": "start", "total": len(pairs)})
@@ -132,10 +120,10 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
             call = run_config(config, device, check=check, lengths=lengths, free=built.mask_free)
         d = evidence.delta(before, evidence.snapshot())
         reasons = evidence.compiled_anything(d)
-        tiers: dict[str, dict[str, Any]] = {}
+        tiers: dict[str, GraphTier] = {}
         for graph, entry in entries.items():
             why = tier2_off if entry is not None else built.not_precompiled or "no precompiled function"
-            tiers[graph] = {"tier": "inductor-cache", "why": why}
+            tiers[graph] = GraphTier("inductor-cache", why or "")
         for r, outputs in tier2:
             if not r.error:
                 r = compare_precompiled(config, device, r, outputs)
@@ -145,13 +133,8 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
             if r.equal is False and r.rel_error > TOLERANCE[config.dtype]:
                 problems.append(f"its outputs differ from tier 1's (rel. error {r.rel_error:.2e})")
             reasons += [f"precompiled {r.graph}: {p}" for p in problems]
-            tiers[r.graph] = {
-                "tier": "precompiled" if not problems else "inductor-cache",
-                "seconds": r.seconds,
-                "equal": r.equal,
-                "rel_error": r.rel_error,
-                **({"why": "; ".join(problems)} if problems else {}),
-            }
+            tier = "precompiled" if not problems else "inductor-cache"
+            tiers[r.graph] = GraphTier(tier, "; ".join(problems), r.seconds, r.equal, r.rel_error)
         retraced = call.lengths_counters.get("frames.ok", 0)
         if retraced:
             reasons.append(f"Dynamo traced {retraced} more graph(s) at other lengths of its range")
@@ -161,24 +144,30 @@ def _verify_in_worker(payload: dict[str, Any]) -> dict[str, Any]:
             reasons.append(f"score_mod computes {call.score_key!r} here, {built.score_key!r} in the builder")
         if check and (msg := check_errors(config, call.errors)):
             reasons.append(msg)
-        report["configs"].append(
-            {
-                "id": config.id,
-                "device": device,
-                "describe": config.describe() + ("" if config.device == "cpu" else f" on {device}"),
-                "seconds": call.seconds,
-                "errors": call.errors,
-                "counters": d,
-                "lengths": [list(x) for x in call.lengths],
-                "tiers": tiers,
-                "reasons": reasons,
-            }
+        verified.append(
+            VerifiedConfig(
+                id=config.id,
+                device=device,
+                describe=config.describe() + ("" if config.device == "cpu" else f" on {device}"),
+                seconds=call.seconds,
+                errors=dict(call.errors),
+                counters=d,
+                lengths=tuple((q, kv) for q, kv in call.lengths),
+                tiers=tiers,
+                reasons=tuple(reasons),
+            )
         )
-        _worker.emit({"event": "config_done", "config": report["configs"][-1]})
-    report["totals"] = {k: sum(c["counters"][k] for c in report["configs"]) for k in evidence.snapshot()}
-    report["precompiled"] = sum(t["tier"] == "precompiled" for c in report["configs"] for t in c["tiers"].values())
-    report["first_step_seconds"] = sum(c["seconds"] for c in report["configs"])
-    return report
+        _worker.emit({"event": "config_done", "config": verified[-1].to_dict()})
+    return VerifyReport(
+        artifact=artifact,
+        seed=seed,
+        configs=tuple(verified),
+        torch_version=torch.__version__,
+        torch_git=torch.version.git_version or "",
+        triton_detection=evidence.triton_detection,
+        install_seconds=result.seconds,
+        installed_files=result.written,
+    ).to_dict()
 
 
 if __name__ == "__main__":

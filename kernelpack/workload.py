@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 from .canonical import call as canonical_call
 from .canonical import grad_output, make_inputs
+from .config import SCORE_MODS
 from .evidence import delta, snapshot
 from .masks import block_mask_for, mask_for, score_mod_for
-from .recipe import SCORE_MODS
 from .runtime import flex_attention, guarded
 from .signature import Graph, mask_key, score_mod_key
 
 if TYPE_CHECKING:
     import torch
 
-    from .recipe import Config
+    from .config import Config
 
 # ||out - ref|| / ||ref|| bounds: inputs are rounded to the dtype first, so only the kernel's arithmetic is judged.
 # fp32 on CUDA runs the matmuls in tf32 (about 3e-4); bf16 gradients accumulate over the whole window.

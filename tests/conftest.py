@@ -91,6 +91,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **overrides: object) -> Path:
     """A copy of ``artifact`` with manifest fields replaced and/or files dropped, packed by kernelpack's packer."""
     from kernelpack import artifact as art
+    from kernelpack import manifest as mf
 
     tree = work / "tree"
     data = art.unpack(artifact, tree).to_dict()
@@ -99,7 +100,7 @@ def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **o
     for c in data["configs"]:  # a dropped precompiled function is dropped from its config's list too
         c["precompiled"] = [p for p in c.get("precompiled", []) if p["path"] in files]
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(out, art.Manifest.from_dict(data, source=str(out)), files)
+    art.pack(out, mf.Manifest.from_dict(data, source=str(out)), files)
     return out
 
 

@@ -25,9 +25,9 @@ import kernelpack
 from kernelpack import compiled, runtime
 from kernelpack.artifact import read_manifest
 from kernelpack.canonical import make_inputs
+from kernelpack.config import Config
 from kernelpack.errors import DenseFallbackError, KernelpackError, NotPrecompiledError
 from kernelpack.masks import block_mask_for
-from kernelpack.recipe import Config
 
 THREADS = torch.get_num_threads()  # as the process starts, as the builder's workers started
 
@@ -342,6 +342,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     imports them while this one imports inductor's internals as a job's model code might (the cross-thread import
     cycle kernelpack._imports.importing_alone prevents); 3 threads call at once and wait for it, then are served."""
     from kernelpack import _imports, installer
+    from kernelpack.runtime import warmup
 
     imported_by: dict[str, str] = {}
     for name in ("torch._dynamo", "torch._inductor.codecache"):
@@ -349,7 +350,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     # who writes the files (the install's child process, unless KERNELPACK_INSTALL_PROCESS=0) and whether inductor's
     # own torch_key is computed (not where kernelpack's reading of torch's sources matched the artifact's)
     extracted_here: list[str] = []
-    extract, key = installer._extract, runtime.inductor_torch_key
+    extract, key = installer._extract, warmup.inductor_torch_key
 
     def counted_extract(*args: Any, **kwargs: Any) -> Any:
         extracted_here.append(threading.current_thread().name)
@@ -361,7 +362,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
         key_reads.append(threading.current_thread().name)
         return key()
 
-    installer._extract, runtime.inductor_torch_key = counted_extract, counted_key  # type: ignore[assignment]
+    installer._extract, warmup.inductor_torch_key = counted_extract, counted_key  # type: ignore[assignment]
     if os.environ.get("KERNELPACK_TEST_MISREAD"):  # a torch whose sources kernelpack would misread
         from kernelpack._torch import inductor
 
@@ -951,7 +952,7 @@ def background_timeout(artifact: str, cache: str) -> dict[str, Any]:
         early = "served"
     except KernelpackError as e:
         early = f"{e} | {e.hint}"
-    activation = runtime._state.active
+    activation = runtime.active()
     assert activation is not None and activation.warmup is not None
     activation.warmup.done.wait(300)
     call(c)

@@ -10,6 +10,7 @@ import zstandard
 from test_keys import H200
 
 from kernelpack import artifact as art
+from kernelpack import manifest as mf
 from kernelpack.errors import ArtifactError, ArtifactNotFoundError
 
 BUILD_KEY = H200.to_dict()
@@ -31,9 +32,9 @@ def make_tree(root: Path) -> dict[str, bytes]:
     return {k: v for k, v in content.items() if not k.startswith("locks/")}
 
 
-def manifest_for(entries: list[art.FileEntry], **extra: object) -> dict:
+def manifest_for(entries: list[mf.FileEntry], **extra: object) -> dict:
     return {
-        "format": art.FORMAT_VERSION,
+        "format": mf.FORMAT_VERSION,
         "name": "t.kpack",
         "recipe": {"name": "t"},
         "configs": [],
@@ -43,11 +44,11 @@ def manifest_for(entries: list[art.FileEntry], **extra: object) -> dict:
     }
 
 
-def pack_tree(root: Path, out: Path, threads: int = -1) -> tuple[dict, list[art.FileEntry]]:
+def pack_tree(root: Path, out: Path, threads: int = -1) -> tuple[dict, list[mf.FileEntry]]:
     files = art.scan_tree(root)
     entries = art.hash_files(files)
     manifest = manifest_for(entries)
-    art.pack(out, art.Manifest.from_dict(manifest, source=str(out)), files, threads=threads)
+    art.pack(out, mf.Manifest.from_dict(manifest, source=str(out)), files, threads=threads)
     return manifest, entries
 
 
@@ -105,10 +106,10 @@ def test_read_manifest_without_extracting(tmp_path: Path) -> None:
     make_tree(tmp_path / "t")
     manifest, entries = pack_tree(tmp_path / "t", tmp_path / "a.kpack")
     m = art.read_manifest(tmp_path / "a.kpack")
-    assert m == art.Manifest.from_dict(manifest, source="x") and set(m.files) == {e.path for e in entries}
+    assert m == mf.Manifest.from_dict(manifest, source="x") and set(m.files) == {e.path for e in entries}
 
 
-def consume(path: Path, m: art.Manifest) -> dict[str, bytes]:
+def consume(path: Path, m: mf.Manifest) -> dict[str, bytes]:
     got: dict[str, bytes] = {}
     for member in art.iter_members(path, m):
         if member.link_to:
@@ -150,7 +151,7 @@ def raw_artifact(path: Path, manifest: dict, members: list[tuple[tarfile.TarInfo
     """Write an arbitrary (possibly hostile) archive: kernelpack's reader must judge it, not this writer."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        blob = art.seal(manifest)  # sealed as the packer would: what is tried is the reader's checks behind the seal
+        blob = mf.seal(manifest)  # sealed as the packer would: what is tried is the reader's checks behind the seal
         ti = tarfile.TarInfo("manifest.json")
         ti.size = len(blob)
         tar.addfile(ti, io.BytesIO(blob))
@@ -159,10 +160,10 @@ def raw_artifact(path: Path, manifest: dict, members: list[tuple[tarfile.TarInfo
     path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
 
 
-def entry(rel: str, data: bytes) -> art.FileEntry:
+def entry(rel: str, data: bytes) -> mf.FileEntry:
     import hashlib
 
-    return art.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
+    return mf.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
 
 
 def reg(name: str, data: bytes) -> tuple[tarfile.TarInfo, bytes]:
@@ -216,7 +217,7 @@ def test_decompression_bomb_is_capped_from_the_manifest(tmp_path: Path, monkeypa
 def test_member_larger_than_its_manifest_size_is_refused(tmp_path: Path) -> None:
     big = b"z" * 4096
     e = entry("a", big)
-    lying = manifest_for([art.FileEntry("a", 10, e.sha256)])
+    lying = manifest_for([mf.FileEntry("a", 10, e.sha256)])
     raw_artifact(tmp_path / "b.kpack", lying, [reg("cache/a", big)])
     with pytest.raises(ArtifactError, match="size"):
         consume(tmp_path / "b.kpack", art.read_manifest(tmp_path / "b.kpack"))
@@ -285,7 +286,7 @@ def _with_manifest(path: Path, out: Path, blob: bytes) -> None:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst:
         for ti in src.getmembers():
             data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
-            if ti.name == art.MANIFEST_NAME:
+            if ti.name == mf.MANIFEST_NAME:
                 data, ti.size = blob, len(blob)
             dst.addfile(ti, io.BytesIO(data) if data is not None else None)
     out.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
@@ -299,7 +300,7 @@ def test_every_bit_flipped_in_the_manifest_is_refused_by_its_seal(tmp_path: Path
     pack_tree(tmp_path / "t", tmp_path / "a.kpack")
     blob = zstandard.ZstdDecompressor().decompressobj().decompress((tmp_path / "a.kpack").read_bytes())
     first = tarfile.open(fileobj=io.BytesIO(blob)).next()
-    assert first is not None and first.name == art.MANIFEST_NAME
+    assert first is not None and first.name == mf.MANIFEST_NAME
     manifest = blob[first.offset_data : first.offset_data + first.size]
     assert consume(tmp_path / "a.kpack", art.read_manifest(tmp_path / "a.kpack")) == content
     refused: dict[str, int] = {}
@@ -309,19 +310,19 @@ def test_every_bit_flipped_in_the_manifest_is_refused_by_its_seal(tmp_path: Path
         _with_manifest(tmp_path / "a.kpack", tmp_path / "f.kpack", bytes(flipped))
         with pytest.raises(ArtifactError) as e:
             art.read_manifest(tmp_path / "f.kpack")
-        reason = "seal" if art.SEAL in str(e.value) else "other"
+        reason = "seal" if mf.SEAL in str(e.value) else "other"
         refused[reason] = refused.get(reason, 0) + 1
     assert sum(refused.values()) == len(manifest) and refused["seal"] > 0, refused
 
     data = json.loads(manifest)
     _with_manifest(tmp_path / "a.kpack", tmp_path / "e.kpack", json.dumps({**data, "created": 7}).encode())
-    with pytest.raises(ArtifactError, match=rf"does not match its {art.SEAL} .*changed after it was written"):
+    with pytest.raises(ArtifactError, match=rf"does not match its {mf.SEAL} .*changed after it was written"):
         art.read_manifest(tmp_path / "e.kpack")
-    unsealed = {k: v for k, v in data.items() if k != art.SEAL}
+    unsealed = {k: v for k, v in data.items() if k != mf.SEAL}
     _with_manifest(tmp_path / "a.kpack", tmp_path / "u.kpack", json.dumps(unsealed).encode())
-    with pytest.raises(ArtifactError, match=rf"has no {art.SEAL}"):
+    with pytest.raises(ArtifactError, match=rf"has no {mf.SEAL}"):
         art.read_manifest(tmp_path / "u.kpack")
-    _with_manifest(tmp_path / "a.kpack", tmp_path / "r.kpack", art.seal({**data, "created": 7}))  # resealed: accepted
+    _with_manifest(tmp_path / "a.kpack", tmp_path / "r.kpack", mf.seal({**data, "created": 7}))  # resealed: accepted
     assert art.read_manifest(tmp_path / "r.kpack").created == 7
 
 
@@ -346,7 +347,7 @@ PARAMS = {
     "kv_len": 4096,
     "head_dim": 128,
     "dtype": "bfloat16",
-    "backward": True,
+    "graphs": ["fwd+bwd"],
     "kernel_options": {},
     "mode": "default",
     "dynamic": False,
@@ -362,11 +363,14 @@ def test_manifest_round_trips_through_json() -> None:
         {"params": PARAMS, "devices": [1, 0], "mask_key": "sliding_window(1024)", "compile_seconds": 2.5},
         {"params": {**PARAMS, "q_len": 8192, "kv_len": 8192}, "devices": [0], "mask_key": "sliding_window(1024)"},
     )
-    m = art.Manifest.from_dict(data, source="m")
-    again = art.Manifest.from_dict(json.loads(m.to_json()), source="m")
+    m = mf.Manifest.from_dict(data, source="m")
+    again = mf.Manifest.from_dict(json.loads(m.to_json()), source="m")
     assert again == m and again.to_json() == m.to_json()
     assert m.devices == (0, 1) and [(c.config.q_len, d) for c, d in m.pairs()] == [(4096, 0), (4096, 1), (8192, 0)]
-    assert m.to_dict()["configs"][0]["id"] == m.configs[0].config.id and m.to_dict()["device_index"] == 0
+    assert m.to_dict()["configs"][0]["id"] == m.configs[0].config.id and m.to_dict()["devices"] == [0, 1]
+    assert "device_index" not in m.to_dict()  # each config lists its devices (format 6)
+    with pytest.raises(ArtifactError, match="configs: KeyError"):  # and must
+        mf.Manifest.from_dict(with_configs({"params": PARAMS, "mask_key": "sliding_window(1024)"}), source="m")
 
 
 def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() -> None:
@@ -376,12 +380,12 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
     blob = {"path": f"kernelpack-precompiled/x-0-fwd_bwd-{sha[:32]}.bin", "size": 3, "sha256": sha}
     entry = {"device": 0, "graph": "fwd+bwd", "path": blob["path"], "sha256": sha, "seconds": 1.5}
     config = {"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)", "precompiled": [entry]}
-    m = art.Manifest.from_dict({**with_configs(config), "files": [blob]}, source="m")
-    assert m.configs[0].precompiled_for(0, "fwd+bwd") == art.Precompiled(
+    m = mf.Manifest.from_dict({**with_configs(config), "files": [blob]}, source="m")
+    assert m.configs[0].precompiled_for(0, "fwd+bwd") == mf.Precompiled(
         device=0, graph="fwd+bwd", path=blob["path"], sha256=sha, seconds=1.5
     )
     assert m.configs[0].precompiled_for(0, "fwd") is None and m.configs[0].precompiled_for(1, "fwd+bwd") is None
-    assert art.Manifest.from_dict(json.loads(m.to_json()), source="m") == m
+    assert mf.Manifest.from_dict(json.loads(m.to_json()), source="m") == m
     bad = [
         ({**entry, "path": "fxgraph/x"}, [blob], "under kernelpack-precompiled/"),
         ({**entry, "path": "kernelpack-precompiled/../fxgraph/x"}, [blob], "under kernelpack-precompiled/"),
@@ -395,33 +399,33 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
     ]
     for wrong, files, fragment in bad:
         with pytest.raises(ArtifactError, match=fragment):
-            art.Manifest.from_dict({**with_configs({**config, "precompiled": [wrong]}), "files": files}, source="m")
+            mf.Manifest.from_dict({**with_configs({**config, "precompiled": [wrong]}), "files": files}, source="m")
     with pytest.raises(ArtifactError, match="listed twice"):
-        art.Manifest.from_dict({**with_configs({**config, "precompiled": [entry, entry]}), "files": [blob]}, source="m")
+        mf.Manifest.from_dict({**with_configs({**config, "precompiled": [entry, entry]}), "files": [blob]}, source="m")
 
 
 def test_a_manifest_of_format_1_is_refused_and_format_2_needs_every_mask_key() -> None:
     """Format 2 (issue 33: mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
     formats, and a config without its mask_key is malformed (the label is no longer what a mask computes)."""
     old = with_configs({"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"})
-    # 3: marks (issue 33); 4: content-addressed tier 2 (issue 34); 5: the manifest sealed by its own sha256
-    for fmt in range(1, art.FORMAT_VERSION):
-        reads = rf"unsupported artifact format {fmt} \(this kernelpack reads {art.FORMAT_VERSION}\)"
+    # 3: marks; 4: content-addressed tier 2; 5: the manifest sealed by its own sha256; 6: ids of every parameter
+    for fmt in range(1, mf.FORMAT_VERSION):
+        reads = rf"unsupported artifact format {fmt} \(this kernelpack reads {mf.FORMAT_VERSION}\)"
         with pytest.raises(ArtifactError, match=reads):
-            art.Manifest.from_dict({**old, "format": fmt}, source="old")
+            mf.Manifest.from_dict({**old, "format": fmt}, source="old")
     with pytest.raises(ArtifactError, match="configs: TypeError: mask_key must be a string"):
-        art.Manifest.from_dict(with_configs({"params": PARAMS, "devices": [0]}), source="old")
-    m = art.Manifest.from_dict(
+        mf.Manifest.from_dict(with_configs({"params": PARAMS, "devices": [0]}), source="old")
+    m = mf.Manifest.from_dict(
         with_configs({"params": PARAMS, "devices": [0], "mask_key": "m#1", "mask_free": ["S"]}), source="new"
     )
     assert m.configs[0].mask_free == ("S",) and m.free_sets == (("S",),)
-    assert art.Manifest.from_dict(json.loads(m.to_json()), source="again").configs[0].mask_free == ("S",)
+    assert mf.Manifest.from_dict(json.loads(m.to_json()), source="again").configs[0].mask_free == ("S",)
 
 
 def test_covers_hit_miss_nearest_and_the_one_field_that_differs() -> None:
-    from kernelpack.recipe import Config
+    from kernelpack.config import Config
 
-    m = art.Manifest.from_dict(
+    m = mf.Manifest.from_dict(
         with_configs(
             {"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"},
             {"params": {**PARAMS, "window": 2048}, "devices": [0], "mask_key": "sliding_window(2048)"},

@@ -17,9 +17,10 @@ from conftest import run_json
 
 from kernelpack import canonical, closures, functions
 from kernelpack.cli import main
-from kernelpack.errors import KernelpackError
-from kernelpack.recipe import parse_recipe
-from kernelpack.record import Lengths, RecordError, recording, tomllib
+from kernelpack.errors import KernelpackError, RecordError
+from kernelpack.recipe import parse_recipe, tomllib
+from kernelpack.recipe_writer import Lengths
+from kernelpack.record import recording
 from kernelpack.signature import mask_key
 
 PROJECT = Path(__file__).parent / "data" / "record_project"

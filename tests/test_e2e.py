@@ -16,6 +16,7 @@ from kernelpack import artifact as art
 from kernelpack.cli import main
 from kernelpack.errors import VerifyError
 from kernelpack.recipe import load_recipe
+from kernelpack.records import VerifyReport
 from kernelpack.verify import verify_artifact as verify
 
 
@@ -86,14 +87,16 @@ def test_verify_zero_misses_in_a_fresh_process_in_any_order(
     n = len(art.read_manifest(smoke_artifact).to_dict()["configs"])
     first, second = seeds_with_both_orders(n)
     report = verify(smoke_artifact, seed=first, check=True)
-    t = report.data["totals"]
+    t = report.to_dict()["totals"]
     assert t["inductor.fxgraph_cache_miss"] == 0 and t["aot_autograd.autograd_cache_miss"] == 0
     assert t["cpp_compiled"] == 0 and t["dense_calls"] == 0
-    assert t["inductor.fxgraph_cache_hit"] == len(report.data["configs"]) == n
+    assert t["inductor.fxgraph_cache_hit"] == len(report.to_dict()["configs"]) == n
     assert main(["verify", str(smoke_artifact), "--seed", str(second), "--json"]) == 0
     other = json.loads(capsys.readouterr().out)
-    assert [c["id"] for c in other["configs"]] != [c["id"] for c in report.data["configs"]]
+    assert [c["id"] for c in other["configs"]] != [c["id"] for c in report.to_dict()["configs"]]
     assert other["totals"]["inductor.fxgraph_cache_miss"] == 0 and other["totals"]["cpp_compiled"] == 0
+    # the typed report reads back what verify --json printed, field by field
+    assert VerifyReport.from_dict(other).to_dict() == other and VerifyReport.from_dict(report.to_dict()) == report
 
 
 def test_verify_fails_naming_the_config_when_its_entries_are_missing(
@@ -167,7 +170,10 @@ def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(
     assert [c["params"]["window"] for c in m["configs"]] == [32]
     assert [f["params"]["window"] for f in m["failed"]] == [64] and "exploded" in m["failed"][0]["error"]
     report = verify(result.artifact, check=True)
-    assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["cpp_compiled"] == 0
+    assert (
+        report.to_dict()["totals"]["inductor.fxgraph_cache_miss"] == 0
+        and report.to_dict()["totals"]["cpp_compiled"] == 0
+    )
 
 
 def test_build_failure_reports_config_and_writes_nothing(

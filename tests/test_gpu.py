@@ -55,14 +55,14 @@ def test_build_records_gpu_key_and_reference_errors(gpu_artifact: Path) -> None:
 
 def test_verify_zero_misses_forward_and_backward(gpu_artifact: Path) -> None:
     report = verify(gpu_artifact, check=True)
-    t = report.data["totals"]
+    t = report.to_dict()["totals"]
     assert t["inductor.fxgraph_cache_miss"] == 0 and t["aot_autograd.autograd_cache_miss"] == 0
     assert t["triton_compiled"] == 0 and t["dense_calls"] == 0
-    assert report.data["triton_detection"] != "not installed" and not report.data["triton_detection"].startswith(
-        "unavailable"
-    )
+    assert report.to_dict()["triton_detection"] != "not installed" and not report.to_dict()[
+        "triton_detection"
+    ].startswith("unavailable")
     # forward and backward graphs were both served from the cache
-    assert t["inductor.fxgraph_cache_hit"] >= 2 * len(report.data["configs"])
+    assert t["inductor.fxgraph_cache_hit"] >= 2 * len(report.to_dict()["configs"])
 
 
 def test_verify_fails_when_the_triton_kernels_are_missing(gpu_artifact: Path, tmp_path: Path) -> None:
@@ -147,11 +147,14 @@ def test_multi_device_build_covers_every_index(tmp_path: Path) -> None:
     assert m["devices"] == devices and all(c["devices"] == devices for c in m["configs"])
     assert {f["path"].split("/")[1] for f in m["files"] if f["path"].startswith("triton/")} == {str(d) for d in devices}
     report = verify(result.artifact)
-    assert len(report.data["configs"]) == len(devices) * len(m["configs"])
-    assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["triton_compiled"] == 0
+    assert len(report.to_dict()["configs"]) == len(devices) * len(m["configs"])
+    assert (
+        report.to_dict()["totals"]["inductor.fxgraph_cache_miss"] == 0
+        and report.to_dict()["totals"]["triton_compiled"] == 0
+    )
     # tier 2 per device index (issue 20): a function per (config, graph, index), each proven by verify
     graphs = sum(len(c["params"]["graphs"]) for c in m["configs"])
-    assert report.data["precompiled"] == graphs * len(devices), report.data["configs"]
+    assert report.to_dict()["precompiled"] == graphs * len(devices), report.to_dict()["configs"]
 
 
 THREADS_OVER_GPUS_JOB = """
@@ -367,7 +370,7 @@ def test_a_transformers_model_trains_at_random_lengths_with_no_compile(kind: str
     subprocess.run([*script, "--write-recipe", str(recipe), "--graphs", "fwd,fwd+bwd", *extra], env=env, check=True)
     built = build(recipe, tmp_path / "out", jobs=2)
     assert built.artifact is not None and not built.failed
-    report = verify(built.artifact).data
+    report = verify(built.artifact).to_dict()
     if kind == "dynamic":
         assert len(report["configs"]) == 1 and len(report["configs"][0]["lengths"]) >= 20, report
     else:
@@ -479,7 +482,7 @@ def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_arti
     if precompiled.unavailable():
         pytest.skip(precompiled.unavailable())
     graphs = sum(len(c.config.graphs) for c in art.read_manifest(gpu_artifact).configs)
-    report = verify(gpu_artifact).data
+    report = verify(gpu_artifact).to_dict()
     assert report["precompiled"] == graphs, report["configs"]
     assert all(t["equal"] for c in report["configs"] for t in c["tiers"].values()), report["configs"]
     runs = {}

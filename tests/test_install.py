@@ -14,6 +14,7 @@ from conftest import repack, tree_digest
 
 from kernelpack import artifact as art
 from kernelpack import install
+from kernelpack import manifest as mf
 from kernelpack.cli import main
 from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
 from kernelpack.installer import marker_path
@@ -153,7 +154,7 @@ def test_triton_files_follow_triton_cache_dir(
     m = art.read_manifest(smoke_artifact).to_dict()
     configs = [{k: v for k, v in c.items() if k != "precompiled"} for c in m["configs"]]  # not among these files
     data = {**m, "configs": configs, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(tmp_path / "t.kpack", art.Manifest.from_dict(data, source="t.kpack"), files)
+    art.pack(tmp_path / "t.kpack", mf.Manifest.from_dict(data, source="t.kpack"), files)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-elsewhere"))
     install(tmp_path / "t.kpack", tmp_path / "cache")
     assert (tmp_path / "triton-elsewhere" / "HASH" / "k.cubin").read_bytes() == kernel
@@ -610,7 +611,7 @@ def _big_artifact(smoke_artifact: Path, tmp_path: Path) -> Path:
         (tree / rel).parent.mkdir(parents=True)
         data = rng.randbytes(1 << 20)
         (tree / rel).write_bytes(data)
-        files[rel] = art.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
+        files[rel] = mf.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
     big = dataclasses.replace(manifest, files=dict(sorted(files.items())))
     return art.pack(tmp_path / "big.kpack", big, {rel: tree / rel for rel in files}, level=1)
 

@@ -1,6 +1,6 @@
-"""kernelpack's own imports go down the layers only and form no cycle (README "Layout"), counting the imports inside
-functions too: a function-level import that hides a cycle is still a cycle. And only kernelpack.settings reads the
-environment."""
+"""kernelpack's own imports go down the layers only and form no cycle (docs/architecture.md, "Layout"), counting the
+imports inside functions too: a function-level import that hides a cycle is still a cycle. And only
+kernelpack.settings reads the environment."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ LAYERS = {
     "_fs": 0,
     "_imports": 0,
     "_toml": 0,  # the one TOML writer (record, recipe_for)
+    "records": 0,  # the typed JSON records: the lock file, a build worker's result, verify's report
     "_lock": 0,
     "_worker": 0,
     "_torch": 0,  # torch's internals, one module per area (imports errors only; torch lazily)
@@ -28,8 +29,10 @@ LAYERS = {
     "signature": 1,
     "closures": 1,
     "functions": 1,
-    "recipe": 1,
-    "artifact": 1,
+    "config": 1,  # one point of a recipe, validated
+    "recipe": 1,  # the recipe file format
+    "manifest": 1,  # what an artifact holds and covers, typed
+    "artifact": 1,  # the archive around it: pack, read, unpack, merge
     "evidence": 1,
     # mechanisms: each does one thing to files, torch or a registry; none starts a job
     "compiled": 2,
@@ -38,6 +41,7 @@ LAYERS = {
     "canonical": 2,
     "installer": 2,
     "store": 2,
+    "recipe_writer": 2,  # what record writes: the recorded calls as one recipe, checked by making their masks
     # process: the one module with process side effects
     "runtime": 3,
     # clients of the runtime: integrations with libraries (runtime names them in INTEGRATIONS, never imports them)
@@ -79,7 +83,7 @@ def imports_of(path: Path, depth: int = 1) -> set[str]:
 
 def import_graph() -> dict[str, set[str]]:
     modules = {p.stem: p for p in PACKAGE.glob("*.py") if p.stem != "__init__"}  # the facade resolves lazily
-    subpackages = ("integrations", "_torch")
+    subpackages = ("integrations", "_torch", "runtime")
     graph = {name: imports_of(path) & (modules.keys() | set(subpackages)) for name, path in sorted(modules.items())}
     # a subpackage is one node: the union of its modules' imports (its own modules' imports of each other are inside)
     for sub in subpackages:
@@ -116,7 +120,17 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_every_module_has_a_layer() -> None:
-    assert sorted(import_graph()) == sorted(LAYERS), "place a new module in LAYERS (and the README's Layout)"
+    assert sorted(import_graph()) == sorted(LAYERS), "place a new module in LAYERS (and docs/architecture.md's Layout)"
+
+
+def test_no_module_is_over_800_lines() -> None:
+    """One room per idea: a module past 800 lines holds two (runtime.py held ten jobs in 1,865 lines)."""
+    long = {
+        p.relative_to(PACKAGE).as_posix(): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 800
+    }
+    assert long == {}, "split it where its ideas part"
 
 
 def test_imports_only_go_down() -> None:
@@ -139,7 +153,7 @@ def test_the_checks_can_fail() -> None:
 def test_only_settings_reads_the_environment() -> None:
     """Every KERNELPACK_* (and other) variable is read, validated, through kernelpack.settings at call time."""
     readers = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         if path.stem == "settings":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
@@ -167,17 +181,61 @@ def test_importing_does_not_import_torch(module: str) -> None:
 
 def test_no_public_function_shares_its_name_with_a_module() -> None:
     """`kernelpack.install` was a module and a function at ecc4142: which one a user got depended on import order."""
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    modules = {p.stem for p in PACKAGE.rglob("*.py")}
     clashes = [
         f"{path.stem}.{node.name}"
-        for path in sorted(PACKAGE.glob("*.py"))
+        for path in sorted(PACKAGE.rglob("*.py"))
         for node in ast.parse(path.read_text()).body
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in modules
     ]
     assert clashes == []
     import kernelpack
 
-    assert callable(kernelpack.install) and kernelpack.install.__module__ == "kernelpack.runtime"
+    assert callable(kernelpack.install) and kernelpack.install.__module__ == "kernelpack.runtime.start"
+
+
+# the runtime package's own floors: its modules import only down these (and session and ranks nothing of it)
+RUNTIME_LAYERS = {
+    "session": 0,  # the activation's state
+    "ranks": 0,  # a rank's GPU and cache dir
+    "refusals": 1,
+    "attribution": 2,
+    "warmup": 3,
+    "dispatch": 4,
+    "reporting": 4,
+    "start": 5,
+}
+
+
+def runtime_graph() -> dict[str, set[str]]:
+    """The runtime package's modules and which of them each imports (``from . import x``, ``from .x import y``)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((PACKAGE / "runtime").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found.update(a.name for a in node.names) if node.module is None else found.add(node.module)
+        graph[path.stem] = found
+    return graph
+
+
+def test_the_runtime_package_s_modules_import_only_down() -> None:
+    graph = runtime_graph()
+    assert sorted(graph) == sorted(RUNTIME_LAYERS), "place a new runtime module in RUNTIME_LAYERS"
+    assert upward_edges(graph, RUNTIME_LAYERS) == [] and find_cycle(graph) is None
+    # the public names stay where a user imports them from: the package's __init__ re-exports, no module of it
+    # reaches into another's private names
+    private = [
+        f"{path.stem}: from .{node.module} import {a.name}"
+        for path in sorted((PACKAGE / "runtime").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level == 1
+        for a in node.names
+        if a.name.startswith("_") and not a.name.startswith("__")
+    ]
+    assert private == []
 
 
 def test_the_runtime_names_its_integrations_and_they_sit_above_it() -> None:

@@ -16,8 +16,9 @@ from test_runtime import scenario
 from kernelpack.artifact import read_manifest
 from kernelpack.build import build_recipe
 from kernelpack.cli import main
+from kernelpack.config import Config
 from kernelpack.errors import RecipeError
-from kernelpack.recipe import Config, load_recipe, parse_recipe
+from kernelpack.recipe import load_recipe, parse_recipe
 from kernelpack.verify import verify_artifact
 
 if sys.version_info >= (3, 11):
@@ -146,7 +147,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_dynamic_graph_traced_at_one_length_covers_the_range_in_a_fresh_process(built: dict[str, Path]) -> None:
     """verify: a fresh process, an empty cache, the artifact installed; the traced length, both ends and 20 random
     lengths that are not multiples of 128: one Dynamo frame, no miss of any kind."""
-    data = verify_artifact(built["dynamic"], seed=3).data
+    data = verify_artifact(built["dynamic"], seed=3).to_dict()
     (c,) = data["configs"]
     assert len(c["lengths"]) >= 20 and sum(n % 128 != 0 for n, _ in c["lengths"]) >= 18, c["lengths"]
     assert c["reasons"] == [] and c["counters"]["frames.ok"] == 1, c
@@ -302,7 +303,7 @@ def _event(q: int, kv: int, **over: object) -> dict:
 
 
 def test_lengths_a_job_already_pads_to_are_written_as_its_buckets() -> None:
-    from kernelpack.record import recipe_text
+    from kernelpack.recipe_writer import recipe_text
 
     def event(n: int) -> dict:
         return _event(n, n)
@@ -367,13 +368,14 @@ def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
 # ------------------------------------------------------------------------------------------------ review findings
 
 
-def test_new_fields_do_not_change_an_older_calls_recipes_sha256() -> None:
-    """The fields ranges added (padded, q_range, kv_range) enter a [[calls]] recipe's normalized form only when set:
-    a recipe `kernelpack record` wrote before them keeps its sha256 (shards of old and new builds still merge)."""
+def test_a_calls_recipe_normalizes_every_field_and_a_new_value_changes_its_sha256() -> None:
+    """A [[calls]] recipe's normalized form holds every field of each call, defaults included (no field is left out
+    at its default: that was a shim for recipes that never shipped), and a field set otherwise is another recipe."""
     text = 'name = "r"\ndevice = "cpu"\n[[calls]]\nmask = "sliding_window"\nwindow = 64\nq_heads = 2\nseq_len = 256\n'
     text += 'head_dim = 16\ndtype = "float32"\n'
     recipe = parse_recipe(tomllib.loads(text))
-    assert set(recipe.normalized["calls"][0]) & {"padded", "q_range", "kv_range"} == set()
+    assert recipe.normalized["calls"][0] == recipe.configs[0].to_dict()
+    assert {"padded", "q_range", "kv_range"} <= set(recipe.normalized["calls"][0])
     padded = parse_recipe(tomllib.loads(text + "padded = true\n"))
     assert padded.normalized["calls"][0]["padded"] is True and padded.sha256 != recipe.sha256
 
@@ -426,7 +428,7 @@ def test_record_keeps_what_no_range_serves_as_tables_of_their_own() -> None:
     """Decode (q_len 1, fixed: one dynamic range over kv_len), lengths of one block (a table of their own), offsets
     that would give kv_len <= 0 in other buckets, and calls made through guarded(dynamic=True) (served by dynamic
     graphs only): record still writes a recipe that serves every recorded call (recipe_text replays each)."""
-    from kernelpack.record import recipe_text
+    from kernelpack.recipe_writer import recipe_text
 
     event = _event
     cases = {

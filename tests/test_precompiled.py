@@ -13,13 +13,13 @@ import pytest
 from conftest import run_json
 
 from kernelpack import precompiled
-from kernelpack.artifact import PRECOMPILED_DIR
+from kernelpack.manifest import PRECOMPILED_DIR
 
 SCRIPT = """
 import json, sys, threading, time, torch
 from torch._dynamo.utils import counters
 from kernelpack import precompiled
-from kernelpack.artifact import PRECOMPILED_DIR
+from kernelpack.manifest import PRECOMPILED_DIR
 from kernelpack.canonical import arguments, make_inputs
 from kernelpack.masks import block_mask_for
 from kernelpack.recipe import load_recipe
@@ -293,10 +293,11 @@ def test_verify_proves_which_tier_serves_each_graph(smoke_artifact: Path, tmp_pa
     by tier 2 with tier 1's outputs bit for bit; an artifact whose function is damaged (hashed as damaged, so it
     installs) fails verify, naming the config's failed load."""
     from kernelpack import artifact as art
+    from kernelpack import manifest as mf
     from kernelpack.errors import VerifyError
     from kernelpack.verify import verify_artifact
 
-    data = verify_artifact(smoke_artifact).data
+    data = verify_artifact(smoke_artifact).to_dict()
     assert data["precompiled"] == 2, data["configs"]
     assert all(t["tier"] == "precompiled" and t["equal"] for c in data["configs"] for t in c["tiers"].values())
     tree = tmp_path / "tree"
@@ -315,7 +316,7 @@ def test_verify_proves_which_tier_serves_each_graph(smoke_artifact: Path, tmp_pa
     files = art.scan_tree(tree)
     manifest["files"] = [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in art.hash_files(files)]
     damaged = tmp_path / "damaged.kpack"
-    art.pack(damaged, art.Manifest.from_dict(manifest, source=str(damaged)), files)
+    art.pack(damaged, mf.Manifest.from_dict(manifest, source=str(damaged)), files)
     with pytest.raises(VerifyError, match="1 of 2 config") as e:
         verify_artifact(damaged)
     assert e.value.failed == [victim.name.split("-")[0]] and "precompiled fwd: failed: " in str(e.value), e.value

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from kernelpack.config import Config
 from kernelpack.errors import ConfigError, RecipeError
-from kernelpack.recipe import Config, load_recipe, parse_recipe
+from kernelpack.recipe import load_recipe, parse_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +26,7 @@ def base(**over: object) -> dict:
             "seq_len": [1024, 2048],
             "head_dim": 64,
             "dtypes": ["bfloat16", "float16"],
-            "backward": True,
+            "graphs": ["fwd+bwd"],
         },
     }
     for k, v in over.items():
@@ -89,9 +90,9 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"matrix.seq_len": []}, "matrix.seq_len", "must not be empty"),
         ({"matrix.head_dim": 64.0}, "matrix.head_dim", "64.0"),
         ({"matrix.dtypes": ["bf16"]}, "matrix.dtypes", "'bf16'"),
-        ({"matrix.backward": "yes"}, "matrix.backward", "boolean"),
+        ({"matrix.graphs": ["bwd"]}, "matrix.graphs", "unknown graph"),
         ({"matrix.kv_heads": 3}, "matrix.kv_heads", "not a multiple"),
-        ({"device": "cpu"}, "matrix.backward", "no backward on CPU"),
+        ({"device": "cpu"}, "matrix.graphs", "no backward on CPU"),
         ({"name": ""}, "name", "must not be empty"),
         ({"compile": {"mode": "fast"}}, "compile.mode", "'fast'"),
         ({"compile": {"dynamic": "no"}}, "compile.dynamic", "boolean"),
@@ -111,10 +112,10 @@ def test_custom_mask_import_path_without_windows() -> None:
         ({"call": {"block_size": 0}}, "call.block_size", "positive"),
         ({"call": {"lse": True}}, "call.lse", "unknown key"),
         ({"call": {"score_mod": "softcap"}}, "call.score_mod", "'softcap'"),
-        ({"device": "cpu", "matrix.backward": False, "call": {"return_lse": True}}, "call.return_lse", "CPU"),
+        ({"device": "cpu", "matrix.graphs": ["fwd"], "call": {"return_lse": True}}, "call.return_lse", "CPU"),
         ({"call": {"return_aux": "max"}}, "call.return_aux", "'max'"),
         ({"call": {"return_aux": "lse", "return_lse": True}}, "call.return_aux", "together with return_aux"),
-        ({"device": "cpu", "matrix.backward": False, "call": {"return_aux": "lse"}}, "call.return_aux", "CPU"),
+        ({"device": "cpu", "matrix.graphs": ["fwd"], "call": {"return_aux": "lse"}}, "call.return_aux", "CPU"),
         ({"call": {"mask_dims": "per-sample"}}, "call.mask_dims", "'per-sample'"),
         ({"call": {"alias": "k=q"}}, "call.alias", "'k=q'"),
         ({"call": {"alias": "q=k=v"}}, "call.alias", "q_heads == kv_heads"),
@@ -129,23 +130,40 @@ def test_validation_names_file_key_value_and_allowed(over: dict, key: str, fragm
     assert exc.value.key == key
 
 
-def test_graphs_and_the_older_backward_key() -> None:
-    both = parse_recipe(base(**{"matrix.backward": None, "matrix.graphs": ["fwd+bwd", "fwd"]}))
+def test_graphs_normalize_to_one_order_and_backward_is_no_key() -> None:
+    both = parse_recipe(base(**{"matrix.graphs": ["fwd+bwd", "fwd"]}))
     assert all(c.graphs == ("fwd", "fwd+bwd") and c.backward for c in both.configs)  # normalized to one order
     assert both.normalized["matrix"]["graphs"] == ["fwd", "fwd+bwd"]
-    legacy = parse_recipe(base())  # backward = true
-    assert all(c.graphs == ("fwd+bwd",) for c in legacy.configs)
-    assert parse_recipe(base(**{"matrix.backward": None, "matrix.graphs": ["fwd+bwd"]})).sha256 == legacy.sha256
-    fwd = parse_recipe(base(**{"matrix.backward": False}))
+    train = parse_recipe(base())  # graphs = ["fwd+bwd"]
+    assert all(c.graphs == ("fwd+bwd",) for c in train.configs)
+    fwd = parse_recipe(base(**{"matrix.graphs": ["fwd"]}))
     assert all(c.graphs == ("fwd",) and not c.backward for c in fwd.configs)
     # a config is one point with its graphs; its signatures are one per graph
     c = both.configs[0]
     assert [s.graph for s in c.signatures(0)] == ["fwd", "fwd+bwd"]
-    assert {s.graph for s in c.signatures(0)} == {"fwd", "fwd+bwd"} and c.id != legacy.configs[0].id
-    # manifests written before `graphs` carry `backward`
-    old = {k: v for k, v in legacy.configs[0].to_dict().items() if k != "graphs"}
-    assert Config.from_dict({**old, "backward": True}) == legacy.configs[0]
-    assert Config.from_dict({**old, "backward": False}).graphs == ("fwd",)
+    assert {s.graph for s in c.signatures(0)} == {"fwd", "fwd+bwd"} and c.id != train.configs[0].id
+    # `backward = true` was a spelling of graphs before 0.1.0 shipped: now an unknown key, and the manifest's
+    # config has no such field
+    with pytest.raises(RecipeError, match="unknown key") as exc:
+        parse_recipe(base(**{"matrix.backward": True}))
+    assert exc.value.key == "matrix.backward"
+    old = {k: v for k, v in train.configs[0].to_dict().items() if k != "graphs"}
+    with pytest.raises(ConfigError, match="unknown field"):
+        Config.from_dict({**old, "backward": True})
+
+
+def test_a_config_id_hashes_every_parameter() -> None:
+    """No parameter is left out of the id at its default (a shim for artifacts that never shipped): the id is the
+    hash of the whole normalized form, defaults included, and reads back from it."""
+    import hashlib
+
+    from kernelpack.config import canonical_json
+
+    for c in parse_recipe(base()).configs[:3]:
+        d = c.to_dict()
+        assert {"padded", "q_range", "mask_dims", "alias", "return_aux"} <= d.keys()
+        assert c.id == hashlib.sha256(canonical_json(d).encode()).hexdigest()[:12]
+        assert Config.from_dict(d).id == c.id
 
 
 def test_call_keys_expand_and_enter_the_id() -> None:
@@ -160,13 +178,17 @@ def test_call_keys_expand_and_enter_the_id() -> None:
         "return_lse": True,
         "block_size": [64, 64],
         "score_mod": "none",
+        "return_aux": "none",
+        "mask_dims": "broadcast",
+        "alias": "none",
+        "padded": False,
     }
     with pytest.raises(ConfigError, match="block_size: must be a positive integer or two of them"):
         dataclasses.replace(c, block_size=64)  # type: ignore[arg-type]
     plain = parse_recipe(base()).configs[0]
     assert (plain.layout, plain.scale, plain.return_lse, plain.block_size) == ("bhsd", None, False, (128, 128))
     assert plain.enable_gqa  # 8 q heads, 2 kv heads
-    # a manifest written before these keys reads as the canonical call
+    # a parameter left out is at its default: the canonical call
     old = {k: v for k, v in plain.to_dict().items() if k not in ("layout", "scale", "return_lse", "enable_gqa")}
     assert Config.from_dict(old) == plain
 
@@ -191,11 +213,11 @@ def test_cli_reports_recipe_errors_without_traceback(tmp_path: Path, capsys: pyt
     bad = tmp_path / "r.toml"
     bad.write_text(
         'name = "x"\ndevice = "cpu"\nmask = "sliding_window"\nwindows = [64]\n'
-        "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_len = 128\ndtypes = ['float32']\nbackward = true\n"
+        "[matrix]\nq_heads = 2\nhead_dim = 64\nseq_len = 128\ndtypes = ['float32']\ngraphs = ['fwd+bwd']\n"
     )
     assert main(["build", str(bad), "-o", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert "error: " in err and "matrix.backward" in err and "hint: " in err and "Traceback" not in err
+    assert "error: " in err and "matrix.graphs" in err and "hint: " in err and "Traceback" not in err
     assert not list(tmp_path.glob("*.kpack"))
 
 
@@ -225,7 +247,7 @@ def test_new_call_keys_enter_the_id_only_when_set() -> None:
         ({"descripton": "d"}, "descripton", "description"),
         ({"call": {"layuot": "bshd"}}, "call.layuot", "layout"),
         ({"matrix.dtypes": ["bfloat61"]}, "matrix.dtypes", "bfloat16"),
-        ({"matrix.graphs": ["fwd+bdw"], "matrix.backward": None}, "matrix.graphs", "fwd+bwd"),
+        ({"matrix.graphs": ["fwd+bdw"]}, "matrix.graphs", "fwd+bwd"),
         ({"mask": "sliding_windw"}, "mask", "sliding_window"),
         ({"call": {"layout": "bshdd"}}, "call.layout", "bshd"),
     ],

@@ -16,9 +16,14 @@ from conftest import run_json, torch_release
 
 from kernelpack import closures, evidence
 from kernelpack.cli import main
-from kernelpack.errors import BuildError, KernelpackError, RecipeError
-from kernelpack.recipe import Config, parse_recipe
-from kernelpack.record import RecordError, recipe_text, recording, tomllib  # tomli on 3.10
+from kernelpack.config import Config
+from kernelpack.errors import BuildError, KernelpackError, NotRebuildable, RecipeError, RecordError
+from kernelpack.recipe import (
+    parse_recipe,
+    tomllib,  # tomli on 3.10
+)
+from kernelpack.recipe_writer import recipe_text
+from kernelpack.record import recording
 from kernelpack.signature import mask_key, mod_graph
 
 PROJECT = Path(__file__).parent / "data" / "record_project"
@@ -102,20 +107,20 @@ def test_a_mask_over_a_tensor_is_written_by_shape_and_dtype_and_made_again_as_an
 
 
 def test_what_cannot_be_named_says_what_to_write_instead() -> None:
-    with pytest.raises(closures.NotRebuildable) as opaque:
+    with pytest.raises(NotRebuildable) as opaque:
         closures.describe(user_model.local_window.__globals__["local_window"](64).__class__)  # a class: no code
     assert "not a function" in opaque.value.message and "--mask-factory" in (opaque.value.hint or "")
 
     script: dict[str, Any] = {"__name__": "__main__"}
     exec("def causal(b, h, q, kv):\n    return q >= kv\n", script)
-    with pytest.raises(closures.NotRebuildable, match=r"defined in the script that was run \(__main__\)"):
+    with pytest.raises(NotRebuildable, match=r"defined in the script that was run \(__main__\)"):
         closures.describe(script["causal"])
 
     class Masks:
         def causal(self, b: Any, h: Any, q: Any, kv: Any) -> Any:
             return q >= kv
 
-    with pytest.raises(closures.NotRebuildable, match="bound method"):
+    with pytest.raises(NotRebuildable, match="bound method"):
         closures.describe(Masks().causal)
 
 

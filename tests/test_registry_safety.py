@@ -22,7 +22,9 @@ from test_reliability import _rewrite
 
 from kernelpack import _fs
 from kernelpack import artifact as art
+from kernelpack import manifest as mf
 from kernelpack.cli import main
+from kernelpack.config import MAX_CONFIGS
 from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
 from kernelpack.installer import install_artifact
 from kernelpack.store import Entry, Registry, key_id
@@ -69,12 +71,12 @@ def test_a_pinned_pull_installs_only_the_pinned_bytes(
     planted = other.read_bytes()
     assert len(planted) <= smoke_artifact.stat().st_size
     downloads.mkdir()
-    (downloads / f"{pinned}{art.SUFFIX}").write_bytes(planted.ljust(smoke_artifact.stat().st_size, b"\0"))
+    (downloads / f"{pinned}{mf.SUFFIX}").write_bytes(planted.ljust(smoke_artifact.stat().st_size, b"\0"))
     cache = tmp_path / "cache"
     assert (
         main(["pull", str(reg), "--recipe", recipe, "--lock", str(lock), "--install", "--cache-dir", str(cache)]) == 0
     )
-    assert _fs.sha256_file(downloads / f"{pinned}{art.SUFFIX}") == pinned
+    assert _fs.sha256_file(downloads / f"{pinned}{mf.SUFFIX}") == pinned
     assert [p.stem for p in (cache / ".kernelpack" / "installed").iterdir()] == [pinned]
 
 
@@ -116,12 +118,12 @@ def test_a_malformed_entry_is_skipped_named_and_never_used_as_a_path(
     warning naming it; `ls` and `pull` work, write nothing outside the download dir, print no traceback."""
     reg = tmp_path / "reg"
     assert main(["push", str(smoke_artifact), str(reg)]) == 0
-    (good,) = reg.glob(f"*/*/*{art.SUFFIX}.json")
+    (good,) = reg.glob(f"*/*/*{mf.SUFFIX}.json")
     bad = {**json.loads(good.read_text()), **edit}
-    (good.parent / f"zz{art.SUFFIX}.json").write_text(json.dumps(bad))
+    (good.parent / f"zz{mf.SUFFIX}.json").write_text(json.dumps(bad))
     other = reg / "other-recipe" / "k"
     other.mkdir(parents=True)
-    (other / f"x{art.SUFFIX}.json").write_text(good.read_text()[:40])  # truncated
+    (other / f"x{mf.SUFFIX}.json").write_text(good.read_text()[:40])  # truncated
     before = tree_digest(tmp_path.parent)
     with pytest.warns(KernelpackWarning, match="skipped 2 malformed entries"):
         entries = Registry(str(reg)).entries()
@@ -166,7 +168,7 @@ def test_push_and_merge_refuse_an_artifact_whose_names_leave_the_target(
 # ------------------------------------------------------------------------------------------------ 4. parse bombs
 
 
-@pytest.mark.parametrize("paths, depth", [(250, 2000), (art.MAX_FILES + 1, 3)], ids=["deep paths", "many files"])
+@pytest.mark.parametrize("paths, depth", [(250, 2000), (mf.MAX_FILES + 1, 3)], ids=["deep paths", "many files"])
 def test_a_manifest_parse_bomb_is_refused_in_bounded_time_and_memory(
     smoke_artifact: Path, tmp_path: Path, paths: int, depth: int
 ) -> None:
@@ -296,7 +298,7 @@ def test_a_payload_longer_than_published_is_cut_off(smoke_artifact: Path, tmp_pa
         f.write(b"\0" * (8 << 20))
     with pytest.raises(RegistryError, match="longer than the"):
         download(Registry(str(reg)), entry)
-    assert not list(downloads.glob(f"*{art.SUFFIX}")) and not list(downloads.glob("*.tmp"))
+    assert not list(downloads.glob(f"*{mf.SUFFIX}")) and not list(downloads.glob("*.tmp"))
 
 
 def test_push_repairs_an_entry_whose_payload_is_gone(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -419,7 +421,7 @@ def test_an_http_index_that_never_ends_is_cut_off(tmp_path: Path) -> None:
     "edit",
     [
         lambda m: m.update(devices=list(range(100_000))),
-        lambda m: m.update(configs=m["configs"] * (art.MAX_CONFIGS + 1)),
+        lambda m: m.update(configs=m["configs"] * (MAX_CONFIGS + 1)),
         lambda m: m["files"].append({"path": "fxgraph/a\x1b[31m", "size": 0, "sha256": "0" * 64}),
     ],
     ids=["devices of every config", "configs", "a control character in a path"],
@@ -560,7 +562,7 @@ def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: 
 
     sha = _fs.sha256_file(smoke_artifact)
     manifest = art.read_manifest(smoke_artifact)
-    rel = sorted(p for p in manifest.files if p.startswith(art.PRECOMPILED_DIR))[0]
+    rel = sorted(p for p in manifest.files if p.startswith(mf.PRECOMPILED_DIR))[0]
     cache = tmp_path / "planted"
     planted = destination(cache, rel)
     planted.parent.mkdir(parents=True)
@@ -603,7 +605,7 @@ def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_
     reg, lock = tmp_path / "reg", tmp_path / "kp.lock"
     Registry(str(reg)).push(smoke_artifact)
     assert main(["lock", str(reg), "--recipe", manifest.recipe_name, "-o", str(lock)]) == 0
-    rel = sorted(p for p in manifest.files if p.startswith(art.PRECOMPILED_DIR))[0]
+    rel = sorted(p for p in manifest.files if p.startswith(mf.PRECOMPILED_DIR))[0]
     cache = tmp_path / "cache"
     planted = destination(cache, rel)
     planted.parent.mkdir(parents=True)
@@ -774,12 +776,12 @@ def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_arti
     """Issue 34: the largest manifest the bounds allow (10,000 configs on 20 GPUs: 200,000 signatures) took
     seconds and hundreds of MiB to read, because the coverage index was built on every read; it is made on first
     use now (inspect, push and ls never use it): 0.85 s here, 5.3 s before. The bar: under 200 MiB."""
-    from kernelpack.recipe import Config
+    from kernelpack.config import Config
 
     def largest(m: dict) -> None:
         c0 = m["configs"][0]
         configs = []
-        for i in range(art.MAX_CONFIGS):
+        for i in range(MAX_CONFIGS):
             params = {**c0["params"], "window": i + 1, "device": "cuda"}
             configs.append({**c0, "id": Config.from_dict(params).id, "params": params, "devices": list(range(20)),
                             "precompiled": []})  # fmt: skip
@@ -790,7 +792,7 @@ def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_arti
     start = time.perf_counter()
     manifest = art.read_manifest(big)
     seconds = time.perf_counter() - start
-    assert len(manifest.configs) == art.MAX_CONFIGS and seconds < 2.5, seconds  # at ce002de: 5.3 s
+    assert len(manifest.configs) == MAX_CONFIGS and seconds < 2.5, seconds  # at ce002de: 5.3 s
     tracemalloc.start()
     art.read_manifest(big)
     peak = tracemalloc.get_traced_memory()[1]

@@ -12,10 +12,13 @@ import pytest
 from conftest import run_json, torch_release
 
 from kernelpack import runtime
-from kernelpack.artifact import BuiltConfig, Manifest, read_manifest
+from kernelpack.artifact import read_manifest
+from kernelpack.config import Config
 from kernelpack.errors import KernelpackError
 from kernelpack.keys import BuildKey
-from kernelpack.recipe import Config, load_recipe
+from kernelpack.manifest import BuiltConfig, Manifest
+from kernelpack.recipe import load_recipe
+from kernelpack.runtime.refusals import not_warmed
 from kernelpack.signature import CallSignature, Graph
 
 SCENARIOS = Path(__file__).with_name("runtime_scenarios.py")
@@ -300,9 +303,9 @@ def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too()
     threads); an unpinned torchrun rank on cuda:3 must get the same device fix as in strict mode, not "add it to the
     recipe"."""
     manifest = _built_on_device_0(DFLASH)
-    err = runtime._not_warmed(runtime.Warmup(background=False), manifest.covers(_signature(3)), {})
+    err = not_warmed(runtime.Warmup(background=False), manifest.covers(_signature(3)), {})
     assert "device_index 0 vs 3" in str(err) and "pin_local_gpu()" in err.hint and "--devices" in err.hint
-    other_shape = runtime._not_warmed(
+    other_shape = not_warmed(
         runtime.Warmup(background=False), manifest.covers(_signature(3, q_len=2048, kv_len=2048)), {}
     )
     assert "add it to the recipe" in other_shape.hint  # the device and the graph differ too: not a length fix
@@ -604,11 +607,12 @@ def test_packed_sequences_through_the_integration_keep_each_rows_documents(
 FORK_DURING_WARMUP = """
 import json, os, sys, time
 from kernelpack import runtime
-real = runtime._warm_up
+from kernelpack.runtime import warmup
+real = warmup.warm_up
 def slow(state, activation):  # the job forks while the warm-up is still at it
     time.sleep(3)
     real(state, activation)
-runtime._warm_up = slow
+warmup.warm_up = slow  # what the background start's thread calls
 activation = runtime.activate(sys.argv[1], warmup="background")
 read, write = os.pipe()
 pid = os.fork()

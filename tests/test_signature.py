@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kernelpack.canonical import make_inputs
+from kernelpack.config import Config
 from kernelpack.masks import block_mask_for
-from kernelpack.recipe import Config, load_recipe
+from kernelpack.recipe import load_recipe
 from kernelpack.signature import CallParams, CallSignature, layout_name, mask_key, signature_of
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,6 +22,7 @@ import pytest
 from conftest import SMOKE, repack
 
 from kernelpack import artifact as art
+from kernelpack import manifest as mf
 from kernelpack.cli import main
 from kernelpack.errors import KernelpackError
 from kernelpack.installer import install_artifact
@@ -49,7 +50,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.gets[self.path] += 1
-        if self.slow and self.path.endswith(art.SUFFIX):
+        if self.slow and self.path.endswith(mf.SUFFIX):
             data = Path(self.translate_path(self.path)).read_bytes()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -59,7 +60,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
                 self.wfile.flush()
                 time.sleep(0.1)
             return
-        if self.truncate and self.path.endswith(art.SUFFIX):
+        if self.truncate and self.path.endswith(mf.SUFFIX):
             data = Path(self.translate_path(self.path)).read_bytes()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -144,7 +145,7 @@ def test_builds_for_two_cuda_versions_get_two_names_and_pull_takes_this_torchs(
     for cuda in ("12.8", "13.0"):
         data = art.read_manifest(smoke_artifact).to_dict()
         key = BuildKey.from_dict({**data["build_key"], "cuda": cuda})
-        name = art.artifact_name("smoke-cpu", key.tag)
+        name = mf.artifact_name("smoke-cpu", key.tag)
         built[cuda] = repack(smoke_artifact, tmp_path / name, tmp_path / f"w{cuda}", build_key=key.to_dict())
         reg.push(built[cuda])
     assert len({p.name for p in built.values()}) == 2 and all(
@@ -164,7 +165,7 @@ def test_lock_pins_and_pull_refuses_anything_else(smoke_artifact: Path, tmp_path
     reg = Registry(str(tmp_path / "reg"))
     reg.push(smoke_artifact)
     lock_file = tmp_path / "kernelpack.lock"
-    data = write_lock(reg, "smoke-cpu", lock_file)
+    data = write_lock(reg, "smoke-cpu", lock_file).to_dict()
     assert [p["sha256"] for p in data["artifacts"]] == [art.sha256_file(smoke_artifact)]
     assert pull(str(tmp_path / "reg"), "smoke-cpu", lock=lock_file).entry.sha256 == data["artifacts"][0]["sha256"]
     # the registry's artifact changes under the same build key: the pin refuses it, naming both hashes
@@ -228,7 +229,7 @@ def test_eight_processes_pull_at_once_download_once(http_registry: tuple, smoke_
     ]
     outs = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     assert [rc for rc, _, _ in outs] == [0] * 8, [err for _, _, err in outs]
-    payload_gets = {path: n for path, n in gets.items() if path.endswith(art.SUFFIX)}
+    payload_gets = {path: n for path, n in gets.items() if path.endswith(mf.SUFFIX)}
     assert list(payload_gets.values()) == [1], gets
     assert sum("downloaded" in out for _, out, _ in outs) == 1
     m = art.read_manifest(smoke_artifact)
@@ -244,7 +245,7 @@ def test_server_dying_mid_download_leaves_nothing_that_looks_complete(
     assert main(["pull", url, "--recipe", "smoke-cpu"]) == 1
     err = capsys.readouterr().err
     assert "error: " in err and "downloading smoke-cpu/" in err
-    assert not list(download_dir.glob(f"*{art.SUFFIX}")) and not list(download_dir.glob("*.tmp"))
+    assert not list(download_dir.glob(f"*{mf.SUFFIX}")) and not list(download_dir.glob("*.tmp"))
     handler.truncate = False  # a later pull completes
     assert main(["pull", url, "--recipe", "smoke-cpu"]) == 0
 
@@ -263,7 +264,7 @@ def test_a_killed_download_is_never_reused(http_registry: tuple, download_dir: P
     assert list(download_dir.glob("*.tmp")), "the download never started"
     p.send_signal(signal.SIGKILL)
     p.wait()
-    assert not list(download_dir.glob(f"*{art.SUFFIX}"))  # only an orphaned temp file, which nothing reads
+    assert not list(download_dir.glob(f"*{mf.SUFFIX}"))  # only an orphaned temp file, which nothing reads
     handler.slow = False
     r = pull(url, "smoke-cpu")
     assert r.downloaded and r.path.read_bytes() == smoke_artifact.read_bytes()
@@ -276,7 +277,7 @@ def test_partial_files_in_the_download_cache_are_never_reused(
     Registry(str(tmp_path / "reg")).push(smoke_artifact)
     sha = art.sha256_file(smoke_artifact)
     download_dir.mkdir(parents=True)
-    (download_dir / f"{sha}{art.SUFFIX}").write_bytes(b"half")  # e.g. copied by hand, or a foreign tool
+    (download_dir / f"{sha}{mf.SUFFIX}").write_bytes(b"half")  # e.g. copied by hand, or a foreign tool
     r = pull(str(tmp_path / "reg"), "smoke-cpu")
     assert r.downloaded and r.path.read_bytes() == smoke_artifact.read_bytes()
 
@@ -349,7 +350,7 @@ def test_s3_push_ls_pull_lock_and_errors(
     os.environ["KERNELPACK_DOWNLOAD_DIR"] = str(tmp_path / "fresh-downloads")
     assert main(["pull", url, "--recipe", "smoke-cpu", *opt]) == 1
     assert "not found" in capsys.readouterr().err
-    assert not list((tmp_path / "fresh-downloads").glob(f"*{art.SUFFIX}"))
+    assert not list((tmp_path / "fresh-downloads").glob(f"*{mf.SUFFIX}"))
 
 
 def test_shards_merge_into_one_artifact_that_verifies(
@@ -370,7 +371,10 @@ def test_shards_merge_into_one_artifact_that_verifies(
         c["id"] for c in art.read_manifest(smoke_artifact).to_dict()["configs"]
     )
     report = verify(merged)
-    assert report.data["totals"]["inductor.fxgraph_cache_miss"] == 0 and report.data["totals"]["cpp_compiled"] == 0
+    assert (
+        report.to_dict()["totals"]["inductor.fxgraph_cache_miss"] == 0
+        and report.to_dict()["totals"]["cpp_compiled"] == 0
+    )
     # shards of another build refuse to merge, naming the field
     alien = repack(
         shards[1], tmp_path / "alien.kpack", tmp_path / "w", build_key={**m["build_key"], "torch_key": "ab" * 32}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernelpack.config import Config
 from kernelpack.masks import mask_for, sliding_window, sliding_window_bidirectional
-from kernelpack.recipe import Config
 from kernelpack.workload import check_errors, reference_attention
 
 

@@ -23,7 +23,7 @@ def torch_key(expected: str | None = None) -> str:
     """Inductor's hash of torch's sources and version, hex (in every FX-graph key: a locally patched torch with the
     same commit gets another). Computed here as inductor computes it (:func:`_source_key`), without importing
     inductor: that import is Dynamo's too, 1.5-5 s of a job's start, and a background start defers it to its
-    thread (issue 36). Once inductor's code cache is imported, its own value. ``inductor_torch_key`` is torch's,
+    thread. Once inductor's code cache is imported, its own value. ``inductor_torch_key`` is torch's,
     for the check that both agree (the warm-up, and a test on every torch version). ``expected`` (an artifact's):
     where kernelpack's reading differs from it, inductor's own value decides (importing inductor), so that a
     refusal is never kernelpack's misreading of a torch it does not know. torch 2.11-2.15."""
