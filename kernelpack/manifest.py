@@ -288,7 +288,6 @@ class Manifest:
         the smallest covered (bucket q_len, bucket kv_len) at or above them (the least padded work). ``tied``: only
         q_len == kv_len points, and return the one length. ``where``: only the configs it accepts. Raises
         :class:`KernelpackError` when nothing covers them."""
-        manifest = self
         for n in (q_len, kv_len):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise KernelpackError(
@@ -296,7 +295,7 @@ class Manifest:
                 )
         fits: list[tuple[int, int]] = []  # the static buckets that hold the lengths
         longest = 0
-        for built in manifest.configs:
+        for built in self.configs:
             c = built.config
             if where is not None and not where(c):
                 continue
@@ -314,7 +313,7 @@ class Manifest:
             asked = f"{q_len} tokens (q_len == kv_len)" if tied else f"q_len {q_len}, kv_len {kv_len}"
             longest_text = f"the longest covered q_len is {longest}" if longest else "it covers no such length"
             raise KernelpackError(
-                f"{manifest.name} has no bucket or range that holds {asked} ({longest_text})",
+                f"{self.name} has no bucket or range that holds {asked} ({longest_text})",
                 hint="truncate or drop longer sequences, or raise the recipe's max and rebuild; for q_len != kv_len "
                 "(kv_len = { offset = ... }) ask padded_lengths(q_len, kv_len)",
             )
