@@ -6,6 +6,10 @@
 #   bash bench/dflash_h200.sh b   # cold x2 more, native warm x3 (the cold runs' cache dirs), mega-cache x3
 #   bash bench/dflash_h200.sh e   # issue 36, the background start as the default: record, build, cold x1, then
 #                                 # kernelpack, kernelpack --foreground and native warm alternated, RUNS (3) each
+#   bash bench/dflash_h200.sh f   # issue 33's four arms side by side, then the floor: record, build, cold x1 (saves a
+#                                 # mega-cache), then alternated RUNS (3) of kernelpack, native warm, mega-cache and
+#                                 # sdpa (the job with nothing compiled: its own floor), STEPS (40) steps each; then
+#                                 # bench/start_floor.py (torch's import and load floors, each alone)
 #   bash bench/dflash_h200.sh d   # issue 36: record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
 #                                 # the default (eager), cold x1, native warm x2 (its cache dir): one run
 # Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
@@ -110,4 +114,33 @@ if [[ ${1:-a} == e ]]; then
   if [[ -n ${TESTS:-} ]]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
   fi
+fi
+# f: issue 33's targets with the final code: cold, native warm, mega-cache and kernelpack side by side, and the job's
+# own floor (sdpa: the same job with nothing to compile or load), STEPS steps each for the steady step
+if [[ ${1:-a} == f ]]; then
+  record_build
+  cp $D/drafter.toml "$OUT/"
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch --mega-save $D/mega.bin
+  for r in $(seq 1 ${RUNS:-3}); do
+    arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
+    TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
+    TORCHINDUCTOR_CACHE_DIR=$D/mega-cache-$r arm mega $r --flex torch --mega-load $D/mega.bin
+    arm sdpa $r --flex sdpa
+  done
+  python3 bench/start_floor.py --artifact $D/out/*.kpack --runs 1 --out "$OUT/floor.jsonl" 2> "$OUT/floor-profile.txt"
+fi
+# g: where the steady step's gap to native warm comes from: one flex call's speed per way of compiling
+# (bench/dflash_kernels.py: marked, kernelpack's graph; automatic, the job's own), then the job with ONE thread
+# (no GIL shared between drafter threads), kernelpack and native warm alternated, STEPS steps each
+if [[ ${1:-a} == g ]]; then
+  for m in marked automatic; do
+    TORCHINDUCTOR_CACHE_DIR=$D/kernels-$m python3 bench/dflash_kernels.py $m 2> "$OUT/kernels-$m.log" | tee -a "$OUT/kernels.jsonl"
+  done
+  record_build
+  JOB="${JOB/--threads 3/--threads 1}"
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold1t 1 --flex torch
+  for r in $(seq 1 ${RUNS:-2}); do
+    arm kernelpack1t $r --artifact $D/out/*.kpack --cache $D/kp1-cache-$r
+    TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm1t $r --flex torch
+  done
 fi

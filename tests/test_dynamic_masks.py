@@ -328,6 +328,9 @@ def test_the_drafter_job_is_recorded_built_and_served_at_every_context_length(
     (error,) = beyond["errors"]
     assert "differs in: kv_len '" in error and "vs 2156)" in error and "mask" not in error.split("differs in:")[1]
     assert "widen the range (kernelpack record --lengths MIN:MAX" in error
+    if mask == "own":  # a served call reads the mask's code and closure; it never runs the mask (no per-step recording)
+        runs = run_json([sys.executable, "mask_runs.py", str(artifact), str(tmp_path / "c2")])
+        assert runs["built"] > 0 and (runs["served"], runs["refused"], runs["compiled"]) == (0, 0, 0), runs
 
 
 @pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed")

@@ -5,6 +5,7 @@ precompiled function or a warmed Dynamo entry, or refused; without one, first ca
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -137,7 +138,8 @@ def _serve(
         # The call as it is, then with the warmed mask_mod/score_mod of the same graph in place of its own (as tier 1
         # serves it): its exact signature, which names what those functions compute, stands in for the identity
         # guards torch dropped; torch's remaining guards run in serves().
-        for candidate in (arguments, *_substitutes(warm, arguments)):
+        # the substitutes only when the call as it is is not served (each names its mask by graph: a recording)
+        for candidate in itertools.chain((arguments,), _substitutes(warm, arguments)):
             sig = call_signature(mode, dynamic, candidate)
             loaded = precompiled_function(state, warm, active, sig)
             if loaded is None and active.dynamic_modes and mode in active.dynamic_modes:

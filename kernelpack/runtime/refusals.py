@@ -23,7 +23,19 @@ def runs_warmed_code(warm: Warmup, arguments: Mapping[str, Any]) -> bool:
     checked, which torch drops from a saved function (the signature alone trusts a ``kernelpack_mask`` tag)."""
     mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
     score_mod = arguments.get("score_mod")
-    return all(fn is None or any(_same_code(fn, w) for w in warm.mods) for fn in (mask_mod, score_mod))
+    return all(fn is None or _runs_warmed(warm, fn) for fn in (mask_mod, score_mod))
+
+
+def _runs_warmed(warm: Warmup, fn: Any) -> bool:
+    try:
+        if warm.runs_warmed.get(fn):
+            return True
+    except TypeError:  # not weakly referable: walked every call
+        return any(_same_code(fn, w) for w in warm.mods)
+    found = any(_same_code(fn, w) for w in warm.mods)
+    if found:
+        warm.runs_warmed[fn] = True
+    return found
 
 
 def _same_code(fn: Any, warmed: Any) -> bool:

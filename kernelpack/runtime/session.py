@@ -146,6 +146,9 @@ class Warmup:
         self.precompiled: dict[CallSignature, precompiled.Loaded] = {}
         self.tier1_why: dict[CallSignature, str] = {}
         self.mods: list[Any] = []  # every warmed mask_mod and score_mod: the code tier 2 may run (runs_warmed_code)
+        # the functions found to run a warmed one's code, by object: a mask rebuilt every step is walked once, not at
+        # its forward and again at its checkpointed recompute (a positive answer holds as mods grows)
+        self.runs_warmed: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
         # tier 2, loaded lazily (KERNELPACK_LOAD=lazy): signature -> its config, until its first call loads
         # it; one load at a time (torch's code cache is process-wide), never a trace
         self.lazy: dict[CallSignature, BuiltConfig] = {}

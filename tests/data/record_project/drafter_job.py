@@ -31,7 +31,13 @@ ap.add_argument("--foreground", action="store_true", help="activate(warmup=True)
 ap.add_argument("--seed", type=int, default=0)
 ap.add_argument("--context", default="200:700", help="MIN:MAX of the random context length")
 ap.add_argument("--size", default="64,4,2,16,16,16,128", help="hidden,heads,kv_heads,head_dim,blocks,block,window")
-ap.add_argument("--flex", choices=["kernelpack", "torch"], default="kernelpack", help="torch: its own compile")
+ap.add_argument(
+    "--flex",
+    choices=["kernelpack", "torch", "sdpa"],
+    default="kernelpack",
+    help="torch: its own compile; sdpa: no compile at all (the mask made dense for scaled_dot_product_attention): "
+    "the job's own floor, what a first step costs with nothing to compile or load",
+)
 ap.add_argument("--mask", choices=["own", "specforge"], default="own", help="specforge: SpecForge 0.2.0's mask")
 ap.add_argument("--mega-save", help="after the steps, write torch.compiler.save_cache_artifacts() here")
 ap.add_argument("--mega-load", help="before the steps, torch.compiler.load_cache_artifacts() of this file")
@@ -43,6 +49,13 @@ if args.flex == "torch":
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     flex = torch.compile(torch_flex)
+elif args.flex == "sdpa":
+    from torch.nn.attention.flex_attention import create_mask
+
+    def flex(q, k, v, block_mask, enable_gqa=False):  # the same attention, dense, with nothing compiled
+        dense = create_mask(block_mask.mask_mod, 1, 1, q.shape[-2], k.shape[-2], device=q.device)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=enable_gqa)
+
 else:
     flex = kernelpack.flex_attention
 start = time.perf_counter()
