@@ -144,3 +144,13 @@ if [[ ${1:-a} == g ]]; then
     TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm1t $r --flex torch
   done
 fi
+# s: the steady step alone, with more samples: record, build, cold x1, then RUNS (5) of kernelpack and native warm
+# alternated, STEPS steps each (three threads)
+if [[ ${1:-a} == s ]]; then
+  record_build
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
+  for r in $(seq 1 ${RUNS:-5}); do
+    arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
+    TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
+  done
+fi
