@@ -30,10 +30,11 @@ def _runs_warmed(warm: Warmup, fn: Any) -> bool:
     try:
         if warm.runs_warmed.get(fn):
             return True
-    except TypeError:  # not weakly referable: walked every call
-        return any(_same_code(fn, w) for w in warm.mods)
+        remembered = True
+    except TypeError:  # not weakly referable: walked at every call
+        remembered = False
     found = any(_same_code(fn, w) for w in warm.mods)
-    if found:
+    if found and remembered:
         warm.runs_warmed[fn] = True
     return found
 
