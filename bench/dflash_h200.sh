@@ -10,6 +10,7 @@
 #                                 # mega-cache), then alternated RUNS (3) of kernelpack, native warm, mega-cache and
 #                                 # sdpa (the job with nothing compiled: its own floor), STEPS (40) steps each; then
 #                                 # bench/start_floor.py (torch's import and load floors, each alone)
+#   bash bench/dflash_h200.sh t   # the steady step by tier: kernelpack (tier 2), kernelpack tier 1, native warm
 #   bash bench/dflash_h200.sh d   # issue 36: record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
 #                                 # the default (eager), cold x1, native warm x2 (its cache dir): one run
 # Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
@@ -151,6 +152,18 @@ if [[ ${1:-a} == s ]]; then
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
   for r in $(seq 1 ${RUNS:-5}); do
     arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
+    TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
+  done
+fi
+# t: which tier the steady step's gap comes with: record, build, cold x1, then RUNS (3) of kernelpack (tier 2, its
+# precompiled functions), kernelpack with KERNELPACK_PRECOMPILED=0 (tier 1: Dynamo's own cache entries, warmed at
+# activate()) and native warm alternated, STEPS steps each (three threads)
+if [[ ${1:-a} == t ]]; then
+  record_build
+  TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
+  for r in $(seq 1 ${RUNS:-3}); do
+    arm kernelpack $r --artifact $D/out/*.kpack --cache $D/kp-cache-$r
+    KERNELPACK_PRECOMPILED=0 arm kernelpack-tier1 $r --artifact $D/out/*.kpack --cache $D/kp1-cache-$r
     TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
   done
 fi

@@ -6,7 +6,9 @@ kernelpack.flex_attention or torch's own compiled flex_attention (warm: the firs
     kernelpack build /tmp/d.toml -o /tmp/d
     python bench/dispatch_overhead.py /tmp/d/drafter-*.kpack kernelpack|torch [STEPS] [--profile]
 
-Prints the mean step and the mean flex call in ms (``--profile``: what kernelpack's serving calls, by cProfile).
+Prints the mean step and the mean flex call in ms (``--profile``: what kernelpack's serving calls, by cProfile;
+``--parts``: the median time of each part of a served call, unprofiled, timed by wrapping each part: the served
+call beside the loaded function's own call is kernelpack's cost).
 """
 
 from __future__ import annotations
@@ -26,6 +28,47 @@ import torch
 
 import kernelpack
 from kernelpack import runtime
+
+# the parts of a served call (kernelpack.runtime.dispatch._serve) that --parts times, as (module, attribute)
+PARTS = [
+    ("kernelpack.runtime.dispatch", "_serve"),
+    ("kernelpack.runtime.dispatch", "resolve_call"),
+    ("kernelpack.runtime.dispatch", "call_signature"),  # before resolve_call
+    ("kernelpack.runtime.dispatch", "precompiled_function"),
+    ("kernelpack.runtime.dispatch", "runs_warmed_code"),
+    ("kernelpack.runtime.dispatch", "wait_for_foreign_fx_trace"),
+    ("kernelpack.runtime.dispatch", "_count_served"),
+    ("kernelpack.runtime.session", "mask_keys"),
+    ("kernelpack.runtime.session", "signature_of"),
+    ("kernelpack._torch.aot:Loaded", "serves"),
+    ("kernelpack._torch.aot:Loaded", "__call__"),
+]
+
+
+def time_parts() -> dict[str, list[float]]:
+    """Wrap each of PARTS that this checkout has with a timer; the seconds of each call, by part."""
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+
+    def wrap(owner: object, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.setdefault(label, []).append(time.perf_counter() - t)
+
+        setattr(owner, name, timed)
+
+    for where, name in PARTS:
+        module, _, cls = where.partition(":")
+        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        if hasattr(owner, name):
+            wrap(owner, name, f"{cls or module.rsplit('.', 1)[-1]}.{name}")
+    return spent
 
 
 def main() -> None:
@@ -59,6 +102,7 @@ def main() -> None:
     for _ in range(5):
         step()
     spent[:] = [0.0, 0]
+    parts = time_parts() if "--parts" in sys.argv and mode == "kernelpack" else None
     profile = cProfile.Profile() if "--profile" in sys.argv else None
     start = time.perf_counter()
     if profile:
@@ -69,6 +113,11 @@ def main() -> None:
         profile.disable()
     total = time.perf_counter() - start
     print(f"{mode}: step {total / steps * 1e3:.2f} ms, flex call {spent[0] / spent[1] * 1e3:.3f} ms ({spent[1]} calls)")
+    if parts is not None:
+        import statistics
+
+        for label, seconds in sorted(parts.items(), key=lambda kv: -statistics.median(kv[1])):
+            print(f"  {label:32s} median {statistics.median(seconds) * 1e6:8.1f} us  ({len(seconds)} calls)")
     if profile:
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("cumulative").print_callees("_serve")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import types
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -139,11 +139,21 @@ def key(fn: Any, free: Collection[str] = ()) -> str:
     and every value it closes over, a value whose path is in ``free`` by type, a tensor by dtype, shape (its
     dimension ``path.shape[i]`` in ``free`` as ``?``) and device type. Equal across processes for the same code
     and values."""
-    h = hashlib.sha256()
+    return each_key(fn, (free,))[0]
+
+
+def each_key(fn: Any, frees: Sequence[Collection[str]]) -> list[str]:
+    """:func:`key` of ``fn`` for each of ``frees``, from one walk (a served call keys its mask by every value and by
+    each set a dynamic config keeps free: one walk of a mask rebuilt every step, not one per set)."""
+    digests = [hashlib.sha256() for _ in frees]
+    # the paths some set names (a tensor's by its own path): any other node is encoded once for every set
+    named = {f.split(".shape", 1)[0] for free in frees for f in free}
     for node in tree(fn).walk():
-        h.update(f"|{node.path}:{node.kind}:".encode())
-        h.update(_encoding(node, free))
-    return h.hexdigest()
+        head = f"|{node.path}:{node.kind}:".encode()
+        shared = None if node.path in named else head + _encoding(node, ())
+        for h, free in zip(digests, frees, strict=True):
+            h.update(shared if shared is not None else head + _encoding(node, free))
+    return [h.hexdigest() for h in digests]
 
 
 def _encoding(node: Node, free: Collection[str]) -> bytes:
@@ -168,12 +178,23 @@ def tensor_spec(t: Any, path: str = "", free: Collection[str] = ()) -> str:
 
 def code_digest(code: types.CodeType) -> bytes:
     """A code object's bytecode, names and constants, nested code objects by digest (their repr holds a memory
-    address, different in every process)."""
+    address, different in every process). Made once per code object: a mask rebuilt every step runs one."""
+    known = _code_digests.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
     h = hashlib.sha256(code.co_code)
     h.update(repr(code.co_names).encode())  # `torch.minimum` and `torch.maximum` differ only here
     for const in code.co_consts:
         h.update(code_digest(const) if isinstance(const, types.CodeType) else repr(const).encode())
-    return h.digest()
+    digest = h.digest()
+    if len(_code_digests) >= _CODE_DIGESTS_MAX:
+        _code_digests.clear()
+    _code_digests[id(code)] = (code, digest)  # the code object kept: its id stays its own
+    return digest
+
+
+_code_digests: dict[int, tuple[types.CodeType, bytes]] = {}
+_CODE_DIGESTS_MAX = 4096
 
 
 def same(a: Any, b: Any, *, values: bool = True) -> bool:
@@ -183,6 +204,8 @@ def same(a: Any, b: Any, *, values: bool = True) -> bool:
     guards'."""
     if a is b:
         return True
+    if not values:
+        return code_shape(a) == code_shape(b)
     nodes_a, nodes_b = list(tree(a).walk()), list(tree(b).walk())
     if len(nodes_a) != len(nodes_b):
         return False
@@ -210,6 +233,25 @@ def same(a: Any, b: Any, *, values: bool = True) -> bool:
         elif values and (type(x.value) is not type(y.value) or x.value != y.value):
             return False
     return True
+
+
+def code_shape(fn: Any) -> tuple[Any, ...]:
+    """What :func:`same` compares with ``values=False``, as one value: equal for two functions exactly when every
+    function in their trees is the same code object, in trees of the same shape, and every other callable they
+    close over is the same object; a leaf (an int, None, a tensor) is any leaf. It names objects by ``id``: compare
+    two shapes only while both functions are alive (a served call compares its mask with the warmed ones, which the
+    warm-up keeps)."""
+    out: list[tuple[Any, ...]] = []
+    for n in tree(fn).walk():
+        if n.kind in _LEAVES:
+            out.append((n.path, "leaf"))
+        elif n.kind == "function":
+            out.append((n.path, "function", id(n.code)))
+        elif n.kind in ("tuple", "list"):
+            out.append((n.path, n.kind, len(n.value)))
+        else:  # an object (a builtin it calls is code too), or nesting too deep: callables by identity
+            out.append((n.path, n.kind, id(n.value) if callable(n.value) else None))
+    return tuple(out)
 
 
 def each_function(fn: Any) -> Iterator[types.FunctionType]:

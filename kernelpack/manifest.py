@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 import posixpath
 import re
 import time
@@ -196,6 +197,17 @@ class Coverage:
         return None
 
 
+# the fields of a call signature that a dynamic range config's coverage compares exactly (every one but the lengths
+# and whether the graph is dynamic: the config's traced call has its own)
+_LENGTHLESS = operator.attrgetter(
+    *(f.name for f in dataclasses.fields(CallSignature) if f.name not in ("q_len", "kv_len", "dynamic"))
+)
+
+
+def _lengthless(signature: CallSignature) -> tuple[Any, ...]:
+    return _LENGTHLESS(signature)  # type: ignore[no-any-return]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Manifest:
     name: str  # the artifact's file name
@@ -215,16 +227,27 @@ class Manifest:
     _lazy_index: dict[CallSignature, BuiltConfig] | None = field(
         init=False, default=None, repr=False, compare=False, hash=False
     )
-    # the dynamic range configs: a call is covered by one when its lengths are in the ranges
-    _ranged: tuple[BuiltConfig, ...] = field(init=False, repr=False, compare=False, hash=False)
+    # the dynamic range configs' signatures at their traced lengths, by the rest of the signature
+    # (:func:`_lengthless`): a call is covered by one when its lengths are in the config's ranges
+    _lazy_ranged: dict[tuple[Any, ...], list[tuple[CallSignature, BuiltConfig]]] | None = field(
+        init=False, default=None, repr=False, compare=False, hash=False
+    )
+    _free_sets: tuple[tuple[str, ...], ...] = field(init=False, repr=False, compare=False, hash=False)
+    _by_value: bool = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_ranged", tuple(c for c in self.configs if c.config.q_range is not None))
+        object.__setattr__(self, "_free_sets", tuple(dict.fromkeys(c.mask_free for c in self.configs if c.mask_free)))
+        object.__setattr__(self, "_by_value", any(not c.mask_free for c in self.configs))
 
     @property
     def _index(self) -> dict[CallSignature, BuiltConfig]:
         if self._lazy_index is None:
             index = {s: c for c in self.configs for d in c.devices for s in c.signatures(d)}
+            ranged: dict[tuple[Any, ...], list[tuple[CallSignature, BuiltConfig]]] = {}
+            for s, built in index.items():
+                if built.config.q_range is not None and self.traced(s, built) == s:
+                    ranged.setdefault(_lengthless(s), []).append((s, built))
+            object.__setattr__(self, "_lazy_ranged", ranged)  # before the index: a reader that sees it sees both
             object.__setattr__(self, "_lazy_index", index)
             return index
         return self._lazy_index
@@ -233,18 +256,32 @@ class Manifest:
     def free_sets(self) -> tuple[tuple[str, ...], ...]:
         """The distinct non-empty :attr:`BuiltConfig.mask_free` of the configs: the ways a call's mask is keyed
         besides by every value."""
-        return tuple(dict.fromkeys(c.mask_free for c in self.configs if c.mask_free))
+        return self._free_sets
+
+    @property
+    def keys_by_value(self) -> bool:
+        """Whether some config keys a call's mask by every value (a static config, or one whose graph keeps no
+        closure value free): otherwise a call's mask is keyed by :attr:`free_sets` alone."""
+        return self._by_value
 
     def entry_for(self, signature: CallSignature) -> BuiltConfig | None:
         """The entry that serves a call with this signature, or None (:meth:`covers` without the nearest)."""
-        entry = self._index.get(signature)
+        found = self.resolve(signature)
+        return found[0] if found is not None else None
+
+    def resolve(self, signature: CallSignature) -> tuple[BuiltConfig, CallSignature] | None:
+        """The entry that serves a call with this signature and the signature it was built at: the call's own, or
+        for a dynamic range config the call at the config's traced lengths (:meth:`traced`: what its warm-up and
+        precompiled function are keyed by); None when nothing serves it. One dict lookup for each, not a
+        signature made per range config: a served call asks this."""
+        index = self._index
+        entry = index.get(signature)
         if entry is not None:
-            return entry
-        for built in self._ranged:
-            if self._index.get(self.traced(signature, built)) is built and built.config.covers_lengths(
-                signature.q_len, signature.kv_len
-            ):
-                return built
+            return entry, signature
+        assert self._lazy_ranged is not None
+        for built_at, built in self._lazy_ranged.get(_lengthless(signature), ()):
+            if built.config.covers_lengths(signature.q_len, signature.kv_len):
+                return built, built_at
         return None
 
     @property

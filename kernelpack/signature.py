@@ -257,9 +257,11 @@ def _tensor_layout(t: Any) -> str:
     return "strided" + str(tuple(t.stride()))
 
 
-def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool) -> CallSignature:
+def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool, *, mask: str | None = None) -> CallSignature:
     """The signature of a flex_attention call with these arguments (by flex_attention's parameter names; a missing
-    one has its default). The graph is the training one when autograd will record the call."""
+    one has its default). The graph is the training one when autograd will record the call. ``mask``: its mask's
+    key when the caller has it (:func:`mask_key` with the values a dynamic config keeps free), else by every
+    value."""
     query, key, value = arguments["query"], arguments["key"], arguments["value"]
     block_mask = arguments.get("block_mask")
     scale = arguments.get("scale")
@@ -268,7 +270,7 @@ def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool) -> Call
     return CallSignature(
         device=device.type,
         device_index=device.index if device.type == "cuda" else None,
-        mask=mask_key(getattr(block_mask, "mask_mod", None)),
+        mask=mask if mask is not None else mask_key(getattr(block_mask, "mask_mod", None)),
         batch=b,
         q_heads=hq,
         kv_heads=key.shape[1],
@@ -347,23 +349,33 @@ def mask_key(mask_mod: Callable[..., Any] | None, free: Collection[str] = ()) ->
     named by its qualname and :func:`kernelpack.functions.key` (its code and closure values; function names and
     files do not enter inductor's keys either). ``free``: the closure paths a dynamic graph keeps symbolic, which
     enter by type (the manifest records them per config). Computed once per function object, not per call."""
+    return mask_keys(mask_mod, (free,))[0]
+
+
+def mask_keys(mask_mod: Callable[..., Any] | None, frees: Sequence[Collection[str]]) -> list[str]:
+    """:func:`mask_key` for each of ``frees``; the ones not known yet from one walk of the function."""
     if mask_mod is None:
-        return "none"
+        return ["none"] * len(frees)
     tag = getattr(mask_mod, "kernelpack_mask", None)
     if tag is not None:
-        return str(tag)
-    free = frozenset(free)
+        return [str(tag)] * len(frees)
+    if getattr(mask_mod, "__code__", None) is None:  # not a plain function: never equal to another
+        return [f"{type(mask_mod).__qualname__}@{id(mask_mod):x}"] * len(frees)
+    sets = [frozenset(f) for f in frees]
     try:
-        return _mask_keys[mask_mod][free]
-    except (KeyError, TypeError):
-        pass
-    code = getattr(mask_mod, "__code__", None)
-    if code is None:
-        return f"{type(mask_mod).__qualname__}@{id(mask_mod):x}"  # not a plain function: never equal to another
-    key = f"{getattr(mask_mod, '__qualname__', 'mask_mod')}#{functions.key(mask_mod, free)[:12]}"
-    with contextlib.suppress(TypeError):
-        _mask_keys.setdefault(mask_mod, {})[free] = key
-    return key
+        known = _mask_keys.get(mask_mod) or {}
+    except TypeError:  # not weakly referable: keyed at every call
+        known = {}
+    missing = list(dict.fromkeys(f for f in sets if f not in known))
+    if missing:
+        name = getattr(mask_mod, "__qualname__", "mask_mod")
+        known = {
+            **known,
+            **{f: f"{name}#{k[:12]}" for f, k in zip(missing, functions.each_key(mask_mod, missing), strict=True)},
+        }
+        with contextlib.suppress(TypeError):
+            _mask_keys[mask_mod] = known
+    return [known[f] for f in sets]
 
 
 # ------------------------------------------------------------------------------------------------ graphs of mods

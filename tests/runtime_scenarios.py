@@ -246,7 +246,8 @@ def overlap(artifact: str, cache: str) -> dict[str, Any]:
 
 
 def thread_config(artifact: str, cache: str) -> dict[str, Any]:
-    """The recompile limit set by activate() in the main thread is in force in a worker thread after a call."""
+    """The recompile limit set by activate() in the main thread is in force in a worker thread after a call Dynamo
+    serves."""
     import torch._dynamo.config as dconfig
 
     runtime.activate(artifact, cache_dir=cache)

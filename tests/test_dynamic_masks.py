@@ -21,7 +21,7 @@ from kernelpack.errors import KernelpackError, RecordError
 from kernelpack.recipe import parse_recipe, tomllib
 from kernelpack.recipe_writer import Lengths
 from kernelpack.record import recording
-from kernelpack.signature import mask_key
+from kernelpack.signature import mask_key, mask_keys
 
 PROJECT = Path(__file__).parent / "data" / "record_project"
 sys.path.insert(0, str(PROJECT))
@@ -83,6 +83,42 @@ def test_a_key_holds_code_and_values_and_free_values_by_type_only() -> None:
     assert functions.same(a, b, values=False) and not functions.same(a, b, values=True)
     assert functions.differences(a, _mask(300, window=None)) == [("window", "128", "None")]
     assert functions.differences(a, _composed(lambda *x: x, 1))[0][0] == "code"
+
+
+def test_one_walk_keys_a_mask_for_every_free_set_and_gives_its_code_shape() -> None:
+    """What a served call computes of a mask it has not seen (a DFlash mask is rebuilt every step): its key by every
+    value and by each free set from one walk, equal to one walk per set; and the one value that says whether it runs
+    a warmed function's code."""
+    a = _mask(300)
+    frees = [(), ("context",), ("context", "anchors.shape[1]", "keep.shape[1]"), ("anchors.shape",), ("window",)]
+    assert functions.each_key(a, frees) == [functions.key(a, f) for f in frees]
+    assert len(set(functions.each_key(a, frees))) == len(frees)  # each set names other values free
+    composed = _composed(lambda b, h, q, kv: q >= kv, 7)
+    assert functions.each_key(composed, [(), ("parts[1].w",)]) == [
+        functions.key(composed),
+        functions.key(composed, ("parts[1].w",)),
+    ]
+    # mask_keys: the same keys, and remembered per function object
+    assert mask_keys(a, frees) == [mask_key(a, f) for f in frees]
+    # the code shape: the same code with other values (another length, None for an int) is the same shape ...
+    assert functions.code_shape(a) == functions.code_shape(_mask(700)) == functions.code_shape(_mask(9, window=None))
+    assert functions.same(a, _mask(700), values=False)
+    first = lambda b, h, q, kv: q >= kv  # noqa: E731
+    assert functions.code_shape(_composed(first, 7)) == functions.code_shape(_composed(first, 9))
+    # ... other code is not: another function in the tree, another object it calls, another tree
+    assert functions.code_shape(_composed(first, 7)) != functions.code_shape(_composed(lambda b, h, q, kv: q >= kv, 7))
+    assert not functions.same(_composed(first, 7), _composed(lambda b, h, q, kv: q >= kv, 7), values=False)
+    assert functions.code_shape(_calls(max)) != functions.code_shape(_calls(min))
+    assert functions.code_shape(_calls(max)) == functions.code_shape(_calls(max))
+    assert functions.code_shape(a) == functions.code_shape(_mask(300, blocks=8))  # a tensor's shape: its guards'
+    assert functions.code_shape(a) != functions.code_shape(composed)
+
+
+def _calls(op: Any) -> Any:
+    def mask(b, h, q, kv):
+        return op(q, kv) >= 0
+
+    return mask
 
 
 # ------------------------------------------------------------------------------------------------ Dynamo's guards

@@ -3,6 +3,7 @@ one dynamic graph (any length in the range, in a fresh process)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -157,6 +158,11 @@ def test_a_dynamic_graph_traced_at_one_length_covers_the_range_in_a_fresh_proces
     manifest = read_manifest(built["dynamic"])
     (entry,) = manifest.configs
     assert manifest.covers(_sig(entry, 777)).entry is entry and manifest.covers(_sig(entry, 1001)).entry is None
+    # what a served call asks: the entry, and the signature its precompiled function and warm-up are keyed by
+    (traced,) = entry.signatures(0)
+    assert manifest.resolve(_sig(entry, 777)) == (entry, traced) and manifest.resolve(traced) == (entry, traced)
+    assert manifest.resolve(_sig(entry, 199)) is None and manifest.resolve(_sig(entry, 1001)) is None
+    assert manifest.resolve(dataclasses.replace(_sig(entry, 777), head_dim=traced.head_dim * 2)) is None
     (near,) = manifest.covers(_sig(entry, 1001), nearest=1).nearest
     assert near.differences == (("q_len", "200..1000", 1001), ("kv_len", "200..1000", 1001)), near.differences
 

@@ -45,6 +45,10 @@ elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun'
         out["after_change"] = followed.serves(args)
         torch.set_num_threads(2)  # and back to the builder's
         out["back"] = followed.serves(args)
+        # the frame locals the guards read, bound without inspect (Loaded._f_locals): torch's own, object for object
+        ours, theirs = followed._f_locals(args), followed._fn.prepare_f_locals(**args)
+        out["binds_as_torch"] = followed._bind is not None and ours.keys() == theirs.keys() and all(
+            ours[k] is theirs[k] for k in theirs)
         refused = []
         def thread(count):  # torch's thread count is per thread: each keeps its own, at once with the other
             torch.set_num_threads(count)
@@ -88,7 +92,7 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     # the job's thread count (its kernels do not depend on it); a CPU one keeps torch's guard on it
     out = run("threads")
     assert not out["kept"] and "num_threads" in out["why"], out
-    assert out["followed"] and out["equal"] and out["after_change"] and out["back"], out
+    assert out["followed"] and out["equal"] and out["after_change"] and out["back"] and out["binds_as_torch"], out
     assert out["refused_in_threads"] == [], out
     assert not out["other_shape"], out
 

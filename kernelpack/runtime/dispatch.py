@@ -28,7 +28,7 @@ from ..signature import CallSignature, graph_of, mod_graph
 from . import session
 from .attribution import LOAD_PATH, SERVED, Call, measure, notify, observers
 from .refusals import mask_detail, not_warmed, refusal, runs_warmed_code
-from .session import Activation, FirstCall, State, Warmup, call_signature
+from .session import Activation, FirstCall, State, Warmup, call_signature, resolve_call
 from .warmup import precompiled_function
 
 
@@ -79,12 +79,13 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
         # a background start first: a thread started after activate() is not held at its imports, and this path
         # imports parts of torch (kernelpack._imports.importing_alone)
         warm.wait()
-    apply_thread_config()
     evidence.ensure_watching()
     query = arguments["query"]
     if isinstance(query, torch.fx.Proxy):  # this thread is FX-tracing us: torch decides (raise or inline)
+        apply_thread_config()
         return compiled_flex_attention(mode, dynamic)(**arguments)
     if observers:  # the call as the user made it (before the forward-only detach below)
+        apply_thread_config()
         stand_in = notify("kernelpack.flex_attention", arguments, mode, dynamic)
         if stand_in is not None:
             return stand_in(arguments)
@@ -108,6 +109,9 @@ def _guarded_call(mode: str, dynamic: bool, arguments: dict[str, Any]) -> Any:
     if active is not None and active.warmup is not None:
         # the compiled callable only where tier 1 serves: creating the first one imports inductor (70 ms on CPU)
         return _serve(state, active, active.warmup, mode, dynamic, arguments)
+    # Dynamo's recompile limit in this thread (kernelpack.compiled.raise_recompile_limit): here, where a call may
+    # trace, not on tier 2's path, which never consults it
+    apply_thread_config()
     return _first_call_at_the_gate(state, active, compiled_flex_attention(mode, dynamic), mode, dynamic, arguments)
 
 
@@ -130,7 +134,6 @@ def _serve(
     any other is refused. Dynamo's own guards decide (they see strides, grad mode, the mask function's code, ...);
     where torch cannot run them, the call signature stands in."""
     warm.wait()
-    apply_thread_config()  # Dynamo is imported by now (the install's build key), and a tier-1 graph may serve
     # First: while another thread FX-traces, torch.fx has patched math.* and other autowrapped functions, which
     # Dynamo guards on by identity, so the guards would fail (and a compiled call would raise or run dense).
     wait_for_foreign_fx_trace(settings.backward_wait_seconds() if in_backward() else None)
@@ -140,15 +143,13 @@ def _serve(
         # guards torch dropped; torch's remaining guards run in serves().
         # the substitutes only when the call as it is is not served (each names its mask by graph: a recording)
         for candidate in itertools.chain((arguments,), _substitutes(warm, arguments)):
-            sig = call_signature(mode, dynamic, candidate)
+            sig, found = resolve_call(mode, dynamic, candidate)
             loaded = precompiled_function(state, warm, active, sig)
-            if loaded is None and active.dynamic_modes and mode in active.dynamic_modes:
+            if loaded is None and found is not None and found[1] is not sig and mode in active.dynamic_modes:
                 # a length of a dynamic range config's range (strict: in the range, by the manifest): its function,
                 # traced at the range's middle, whose guards hold over the range (torch's checks run in serves())
-                coverage = active.covers(sig)
-                if coverage.entry is not None and coverage.entry.config.q_range is not None:
-                    sig = Manifest.traced(sig, coverage.entry)
-                    loaded = precompiled_function(state, warm, active, sig)
+                sig = found[1]
+                loaded = precompiled_function(state, warm, active, sig)
             if loaded is not None and runs_warmed_code(warm, candidate) and loaded.serves(candidate):
                 _count_served(state, sig, arguments, "precompiled")
                 if sig not in warm.unrun:
@@ -160,6 +161,8 @@ def _serve(
                     out = loaded(candidate)
                 warm.unrun.discard(sig)
                 return out
+    # Tier 1 runs through Dynamo: this thread's recompile limit matters from here (tier 2 never consults it)
+    apply_thread_config()
     # the static graphs first (faster kernels), then the dynamic ones of the artifact's range configs
     options = [(mode, dynamic)] + ([(mode, True)] if not dynamic and mode in active.dynamic_modes else [])
     for m, d in options:

@@ -33,16 +33,23 @@ def _runs_warmed(warm: Warmup, fn: Any) -> bool:
         remembered = True
     except TypeError:  # not weakly referable: walked at every call
         remembered = False
-    found = any(_same_code(fn, w) for w in warm.mods)
+    # ``fn`` is a warmed function, or runs one's code: the same code objects throughout (a mask built by and_masks
+    # or padded() of other masks); the values are the guards' (functions.same(values=False), by its one value)
+    found = functions.code_shape(fn) in _warmed_shapes(warm)
     if found and remembered:
         warm.runs_warmed[fn] = True
     return found
 
 
-def _same_code(fn: Any, warmed: Any) -> bool:
-    """``fn`` is ``warmed``, or runs its code: the same code objects throughout (a mask built by and_masks or
-    padded() of other masks); the values are the guards' (:func:`kernelpack.functions.same`)."""
-    return functions.same(fn, warmed, values=False)
+def _warmed_shapes(warm: Warmup) -> frozenset[tuple[Any, ...]]:
+    """The code shapes (:func:`kernelpack.functions.code_shape`) of the warmed mask_mods and score_mods, made again
+    only when the warm-up added one (the warm-up keeps them alive, so the objects their shapes name stay theirs)."""
+    mods = list(warm.mods)
+    made = warm.mod_shapes
+    if made is None or made[0] != len(mods):
+        made = (len(mods), frozenset(functions.code_shape(w) for w in mods))
+        warm.mod_shapes = made
+    return made[1]
 
 
 def _mask_differs(coverage: Coverage) -> bool:

@@ -19,7 +19,7 @@ from ..config import Config
 from ..errors import KernelpackError
 from ..installer import Installing, InstallResult
 from ..manifest import BuiltConfig, Coverage, Manifest
-from ..signature import CallSignature, mask_key, signature_of
+from ..signature import CallSignature, mask_key, mask_keys, signature_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +149,7 @@ class Warmup:
         # the functions found to run a warmed one's code, by object: a mask rebuilt every step is walked once, not at
         # its forward and again at its checkpointed recompute (a positive answer holds as mods grows)
         self.runs_warmed: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self.mod_shapes: tuple[int, frozenset[tuple[Any, ...]]] | None = None  # (len(mods), their code shapes)
         # tier 2, loaded lazily (KERNELPACK_LOAD=lazy): signature -> its config, until its first call loads
         # it; one load at a time (torch's code cache is process-wide), never a trace
         self.lazy: dict[CallSignature, BuiltConfig] = {}
@@ -237,20 +238,47 @@ def call_signature(mode: str, dynamic: bool, arguments: Mapping[str, Any]) -> Ca
     """The call's signature as the active artifact keys it: its mask by every value, or, where that is not covered,
     with the values a dynamic config's graph keeps symbolic by type (:attr:`BuiltConfig.mask_free`: DFlash's S),
     when that is covered."""
-    sig = signature_of(arguments, mode, dynamic)
+    return resolve_call(mode, dynamic, arguments)[0]
+
+
+def resolve_call(
+    mode: str, dynamic: bool, arguments: Mapping[str, Any]
+) -> tuple[CallSignature, tuple[BuiltConfig, CallSignature] | None]:
+    """:func:`call_signature`, and what :meth:`Manifest.resolve` says of it (the entry that serves it and the
+    signature that entry was built at), or None where nothing serves it: one lookup for a served call."""
     active = current().active
     manifest = active.manifest if active is not None else None
     mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
-    if manifest is None or mask_mod is None or not manifest.free_sets or manifest.entry_for(sig) is not None:
-        return sig
-    near = sig
-    for free in manifest.free_sets:
-        keyed = dataclasses.replace(sig, mask=mask_key(mask_mod, free))
-        if manifest.entry_for(keyed) is not None:
-            return keyed
-        if near is sig and any(c.mask_key == keyed.mask for c in manifest.configs):
+    free_sets = manifest.free_sets if manifest is not None and mask_mod is not None else ()
+    if manifest is None or not free_sets:
+        plain = signature_of(arguments, mode, dynamic)
+        return plain, manifest.resolve(plain) if manifest is not None else None
+    # every key of a mask not seen before from one walk (a DFlash mask is rebuilt every step); by every value only
+    # where some config keys its mask so (an artifact of dynamic configs alone never does)
+    by_value = manifest.keys_by_value
+    mask_keys(mask_mod, ((), *free_sets) if by_value else free_sets)
+    base: CallSignature | None = None  # the first signature made: the others differ from it in the mask alone
+    if by_value:
+        base = signature_of(arguments, mode, dynamic)
+        found = manifest.resolve(base)
+        if found is not None:
+            return base, found
+    near = None
+    for free in free_sets:
+        key = mask_key(mask_mod, free)
+        keyed = (
+            signature_of(arguments, mode, dynamic, mask=key) if base is None else dataclasses.replace(base, mask=key)
+        )
+        base = base or keyed
+        found = manifest.resolve(keyed)
+        if found is not None:
+            return keyed, found
+        if near is None and any(c.mask_key == key for c in manifest.configs):
             near = keyed  # a config's mask, at lengths it does not cover: a refusal then names only the lengths
-    return near
+    # not served: the mask by every value, unless a config's mask at other lengths says more
+    if near is not None:
+        return near, None
+    return (base if by_value and base is not None else signature_of(arguments, mode, dynamic)), None
 
 
 def padded_length(n: int, *, where: Callable[[Config], bool] | None = None) -> int:
