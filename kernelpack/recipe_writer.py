@@ -12,7 +12,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from ._fs import write_bytes
 from .config import Config
 from .errors import RecipeError, RecordError
 from .recipe import Recipe, check_name, parse_recipe
+from .records import RecordedCall, RecordEvent, RecordNote, RecordProblem
 from .signature import DEFAULT_BLOCK_SIZE, GRAPHS
 
 if sys.version_info >= (3, 11):
@@ -31,7 +32,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 def recipe_text(
-    events: Sequence[dict[str, Any]],
+    events: Sequence[RecordEvent],
     *,
     name: str,
     description: str = "",
@@ -49,29 +50,28 @@ def recipe_text(
 
     Raises :class:`RecordError` for problem events (each with what to do) or no call; with ``check``, the text is
     parsed back and every recorded call replayed against it with the keys the runtime uses (:func:`_replay`)."""
-    problems = [e["problem"] for e in events if "problem" in e]
+    problems = [e for e in events if isinstance(e, RecordProblem)]
     if problems:
         lines = [f"{len(problems)} call(s) cannot be written as a recipe:"]
-        by_reason: dict[str, list[dict[str, Any]]] = {}
+        by_reason: dict[str, list[RecordProblem]] = {}
         for p in problems:  # one line per reason (a job's many lengths fail for one), with the first call
-            by_reason.setdefault(p["reason"], []).append(p)
+            by_reason.setdefault(p.reason, []).append(p)
         for reason, same in by_reason.items():
             p = same[0]
             others = f" and {len(same) - 1} more call(s)" if len(same) > 1 else ""
-            lines.append(f"- {p['call_signature']}{others} ({p['path']} at {p['site'] or 'an unknown site'}): {reason}")
-        hints = list(dict.fromkeys(p["hint"] for p in problems if p.get("hint")))
+            lines.append(f"- {p.call_signature}{others} ({p.path} at {p.site or 'an unknown site'}): {reason}")
+        hints = list(dict.fromkeys(p.hint for p in problems if p.hint))
         raise RecordError("\n".join(lines), hint="\n\n".join(hints))
-    entries: dict[str, dict[str, Any]] = {}
-    recorded_calls = [e["call"] for e in events if "call" in e]
+    entries: dict[str, _Entry] = {}
+    recorded_calls = [e for e in events if isinstance(e, RecordedCall)]
     for call in _merge_closures(recorded_calls):
-        params = dict(call["config"])
+        params = dict(call.config)
         graphs = params.pop("graphs")
-        key = json.dumps(params, sort_keys=True)
-        entry = entries.setdefault(key, {"config": params, "graphs": set(), "devices": set(), "seen": set()})
-        entry["graphs"].update(graphs)
-        if call.get("device_index") is not None:
-            entry["devices"].add(call["device_index"])
-        entry["seen"].add(f"{call['path']} at {call['site'] or 'an unknown site'}")
+        entry = entries.setdefault(json.dumps(params, sort_keys=True), _Entry(params))
+        entry.graphs.update(graphs)
+        if call.device_index is not None:
+            entry.devices.add(call.device_index)
+        entry.seen.add(call.seen)
     if not entries:
         raise RecordError(
             "no flex_attention call was recorded",
@@ -79,7 +79,7 @@ def recipe_text(
             "torch.compile(flex_attention); inside your own torch.compile(model) flex is part of your graph, which "
             "record cannot see",
         )
-    devices = {entry["config"]["device"] for entry in entries.values()}
+    devices = {entry.config["device"] for entry in entries.values()}
     if len(devices) > 1:
         raise RecordError(
             f"calls on {sorted(devices)}: a recipe is for one device type",
@@ -88,8 +88,8 @@ def recipe_text(
     problem = check_name(name)
     if problem:
         raise RecordError(f"recipe name {name!r} {problem}", hint="pass --name")
-    indices = sorted({i for entry in entries.values() for i in entry["devices"]})
-    notes = [e["note"] for e in events if "note" in e]
+    indices = sorted({i for entry in entries.values() for i in entry.devices})
+    notes = [e.text for e in events if isinstance(e, RecordNote)]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     out = [_comment(f"# Recorded by kernelpack record from {source} on {now}.")]
     out += [_comment(f"# note: {n}") for n in notes]
@@ -100,10 +100,10 @@ def recipe_text(
         out.append(f"description = {_toml_text(description)}")
     out += [f"device = {_toml_text(devices.pop())}", ""]
     for group in _length_groups(entries.values()):
-        graphs = sorted({g for entry in group for g in entry["graphs"]}, key=GRAPHS.index)
-        recorded = [Config.from_dict({**entry["config"], "graphs": graphs}) for entry in group]
-        sites = sorted({s for entry in group for s in entry["seen"]})
-        indices_seen = sorted({d for entry in group for d in entry["devices"]})
+        graphs = sorted({g for entry in group for g in entry.graphs}, key=GRAPHS.index)
+        recorded = [Config.from_dict({**entry.config, "graphs": graphs}) for entry in group]
+        sites = sorted({s for entry in group for s in entry.seen})
+        indices_seen = sorted({d for entry in group for d in entry.devices})
         for i, (table, comments) in enumerate(_tables(recorded, lengths)):
             out += [_comment(f"# {c}") for c in comments]
             if i == 0:
@@ -155,7 +155,18 @@ class Lengths:
         return cls(numbers[0], numbers[1], numbers[2] if len(numbers) == 3 else None)
 
 
-def _merge_closures(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+@dataclasses.dataclass
+class _Entry:
+    """The recorded calls of one recipe point (every parameter but the graphs): the graphs they made, the CUDA
+    device indices they ran on, and where they were made."""
+
+    config: dict[str, Any]  # Config.to_dict() less "graphs"
+    graphs: set[str] = dataclasses.field(default_factory=set)
+    devices: set[int] = dataclasses.field(default_factory=set)
+    seen: set[str] = dataclasses.field(default_factory=set)
+
+
+def _merge_closures(calls: list[RecordedCall]) -> list[RecordedCall]:
     """The recorded calls with each mask's closure written once per variant: calls whose masks differ only in the
     ints and tensor sizes they close over are one variant, and each such value is written as the constant it was,
     as the expression of the call's dimensions it followed in every call (``{"dim": "kv_len - q_len"}``, a tensor
@@ -163,9 +174,9 @@ def _merge_closures(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     [1024, 4096]}``). The builder makes each value again at every recipe point (:func:`kernelpack.closures.rebuild`)
     and a dynamic graph keeps the varying ones symbolic (their key is their type). A None where another call has an
     int is another variant: it selects other code."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[RecordedCall]] = {}
     for call in calls:
-        config = call["config"]
+        config = call.config
         closure = config.get("mask_closure")
         rest = {k: v for k, v in config.items() if k not in ("q_len", "kv_len", "graphs")}
         if closure is not None:
@@ -173,19 +184,19 @@ def _merge_closures(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(json.dumps(rest, sort_keys=True), []).append(call)
     out = []
     for group in groups.values():
-        closures_ = [c["config"].get("mask_closure") for c in group]
+        closures_ = [c.config.get("mask_closure") for c in group]
         if closures_[0] is None:
             out += group
             continue
         dims = [_dims_of(c) for c in group]
-        merged = _merge([json.loads(c) for c in closures_], dims, tensor=False)
+        merged = _merge([json.loads(str(c)) for c in closures_], dims, tensor=False)
         text = json.dumps(merged, sort_keys=True, separators=(",", ":"))
-        out += [{**c, "config": {**c["config"], "mask_closure": text}} for c in group]
+        out += [dataclasses.replace(c, config={**c.config, "mask_closure": text}) for c in group]
     return out
 
 
-def _dims_of(call: dict[str, Any]) -> dict[str, int]:
-    return {d: int(call["config"][d]) for d in closures.DIMS}
+def _dims_of(call: RecordedCall) -> dict[str, int]:
+    return {d: int(call.config[d]) for d in closures.DIMS}
 
 
 def _blank(v: Any) -> Any:
@@ -230,25 +241,25 @@ def _merge(values: list[Any], dims: list[dict[str, int]], *, tensor: bool) -> An
     return first
 
 
-def _length_groups(entries: Any) -> list[list[dict[str, Any]]]:
+def _length_groups(entries: Iterable[_Entry]) -> list[list[_Entry]]:
     """The recorded calls grouped by everything but their lengths (and graphs, merged): a group of RANGE_FROM or
     more becomes one range. A length that varies starts above one block in a range (torch makes a length of one
     block another graph); one that stays fixed may be anything. Calls through the user's own
     ``torch.compile(flex_attention)`` stay one table per length: kernelpack cannot make that compile dynamic."""
-    groups: dict[str, list[dict[str, Any]]] = {}
+    groups: dict[str, list[_Entry]] = {}
     for entry in entries:
-        rest = {k: v for k, v in entry["config"].items() if k not in ("q_len", "kv_len")}
+        rest = {k: v for k, v in entry.config.items() if k not in ("q_len", "kv_len")}
         groups.setdefault(json.dumps(rest, sort_keys=True), []).append(entry)
     out = []
     for key in sorted(groups):
-        group = sorted(groups[key], key=lambda e: (e["config"]["q_len"], e["config"]["kv_len"]))
-        block_q, block_kv = group[0]["config"].get("block_size") or (128, 128)
-        qs, kvs = {e["config"]["q_len"] for e in group}, {e["config"]["kv_len"] for e in group}
-        own = any(s.startswith("torch.compile(flex_attention)") for e in group for s in e["seen"])
+        group = sorted(groups[key], key=lambda e: (e.config["q_len"], e.config["kv_len"]))
+        block_q, block_kv = group[0].config.get("block_size") or (128, 128)
+        qs, kvs = {e.config["q_len"] for e in group}, {e.config["kv_len"] for e in group}
+        own = any(s.startswith("torch.compile(flex_attention)") for e in group for s in e.seen)
         long = [
             e
             for e in group
-            if (len(qs) == 1 or e["config"]["q_len"] > block_q) and (len(kvs) == 1 or e["config"]["kv_len"] > block_kv)
+            if (len(qs) == 1 or e.config["q_len"] > block_q) and (len(kvs) == 1 or e.config["kv_len"] > block_kv)
         ]
         if len(long) >= RANGE_FROM and not own:
             out.append(long)
@@ -348,13 +359,13 @@ def _range_table(recorded: list[Config], lengths: Lengths | None) -> tuple[dict[
     ]
 
 
-def _replay(recipe: Recipe, calls: list[dict[str, Any]], lengths: Lengths | None = None) -> None:
+def _replay(recipe: Recipe, calls: list[RecordedCall], lengths: Lengths | None = None) -> None:
     """Every recorded call replayed against the written recipe with the keys the runtime uses: the same call
     parameters, its lengths in a config's, and its mask's key (the job's values, made again from the recording)
     equal to the key of the config's mask made at the call's lengths, with the values a dynamic graph keeps
     symbolic keyed by type. Raises :class:`RecordError` naming the first call no config serves."""
     for call in calls:
-        recorded = Config.from_dict(call["config"])
+        recorded = Config.from_dict(call.config)
         if any(_serves(c, recorded) for c in recipe.configs):
             continue
         # static buckets serve a call the job pads to one: the same call at the bucket's lengths
@@ -382,7 +393,7 @@ def _replay(recipe: Recipe, calls: list[dict[str, Any]], lengths: Lengths | None
                 hint="drop MULTIPLE (--lengths MIN:MAX: one dynamic graph serves every length as the job calls it)",
             )
         raise RecordError(
-            f"the recorded recipe does not serve the call {recorded.describe()} (at {call.get('site')})",
+            f"the recorded recipe does not serve the call {recorded.describe()} (at {call.site})",
             hint="report it as a kernelpack bug; until then, write the recipe by hand (README, 'Recipe format')",
         )
 
@@ -426,7 +437,7 @@ def _serves(built: Config, call: Config) -> bool:
 
 def write_recipe(
     path: str | os.PathLike[str],
-    events: Sequence[dict[str, Any]],
+    events: Sequence[RecordEvent],
     *,
     name: str | None = None,
     source: str = "a job",

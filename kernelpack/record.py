@@ -46,6 +46,7 @@ from .config import BUILTIN_MASKS, SCORE_MODS, Config
 from .errors import ConfigError, KernelpackError, NotRebuildable, RecordError
 from .recipe import check_name
 from .recipe_writer import Lengths, stem_name, write_recipe
+from .records import RecordedCall, RecordEvent, RecordNote, RecordProblem, record_event
 from .signature import CallSignature, signature_of
 
 if sys.version_info >= (3, 11):
@@ -72,7 +73,7 @@ class Factories:
 
 class Recorder:
     """A call observer (:data:`kernelpack.runtime.CallObserver`) that keeps the distinct calls it sees as events
-    (JSON-able dicts): ``{"call": ...}``, ``{"problem": ...}``, ``{"note": ...}``. With ``sink``, each event is also
+    (:data:`kernelpack.records.RecordEvent`: a recorded call, a problem, a note). With ``sink``, each event is also
     appended to that file as a JSON line as it happens (a job killed later keeps what it recorded)."""
 
     def __init__(self, compute: str = "skip", *, sink: Path | None = None, factories: Factories | None = None) -> None:
@@ -81,7 +82,7 @@ class Recorder:
         self.compute = compute
         self.sink = sink
         self.factories = factories or Factories()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[RecordEvent] = []
         self._seen: set[CallSignature] = set()
         self._notes: set[str] = set()
         self._compiled_shapes: set[tuple[int, int, int]] = set()  # met by the user's own torch.compile
@@ -119,15 +120,13 @@ class Recorder:
         try:
             event = _event(sig, arguments, path, evidence.user_site(), self.factories)
         except Exception as e:  # record must neither break the job nor lose a call without saying so
-            event = {
-                "problem": {
-                    "call_signature": sig.describe(),
-                    "path": path,
-                    "site": evidence.user_site(),
-                    "reason": f"kernelpack could not record this call: {type(e).__name__}: {e}",
-                    "hint": "run with KERNELPACK_DEBUG=1 for the traceback, and report it",
-                }
-            }
+            event = RecordProblem(
+                sig.describe(),
+                path,
+                evidence.user_site(),
+                reason=f"kernelpack could not record this call: {type(e).__name__}: {e}",
+                hint="run with KERNELPACK_DEBUG=1 for the traceback, and report it",
+            )
         self._add(event)
         if path == "torch.compile(flex_attention)":
             self._automatic_dynamic(sig)
@@ -154,15 +153,15 @@ class Recorder:
             if text in self._notes:
                 return
             self._notes.add(text)
-        self._add({"note": text})
+        self._add(RecordNote(text))
 
-    def _add(self, event: dict[str, Any]) -> None:
+    def _add(self, event: RecordEvent) -> None:
         with self._lock:
             self.events.append(event)
             if self.sink is not None:
                 try:
                     with open(self.sink, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(event) + "\n")
+                        f.write(json.dumps(event.to_dict()) + "\n")
                 except OSError as e:
                     self._stop(str(e))
 
@@ -330,8 +329,10 @@ def record_command(
             hint="run the job with the Python that has kernelpack installed (kernelpack record -- python train.py)",
         )
     path = write_recipe(target, events, name=name, source=f"`{source}`", lengths=lengths)
-    notes = tuple(e["note"] for e in events if "note" in e)
-    entries = len({json.dumps({**e["call"]["config"], "graphs": None}, sort_keys=True) for e in events if "call" in e})
+    notes = tuple(e.text for e in events if isinstance(e, RecordNote))
+    entries = len(
+        {json.dumps({**e.config, "graphs": None}, sort_keys=True) for e in events if isinstance(e, RecordedCall)}
+    )
     return RecordResult(path, entries, processes, seconds, notes)
 
 
@@ -372,22 +373,33 @@ def _wait_session_gone(pgid: int, seconds: float) -> None:
     raise subprocess.TimeoutExpired("kernelpack record", seconds)
 
 
-def read_events(directory: Path) -> list[dict[str, Any]]:
+def read_events(directory: Path) -> list[RecordEvent]:
     """Every event the processes of a recorded command wrote (one ``calls-<pid>.jsonl`` each)."""
     events = []
     for file in sorted(directory.glob("calls-*.jsonl")):
-        for line in file.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(ValueError):  # a line cut short by a killed process
-                events.append(json.loads(line))
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                data = json.loads(line)
+            except ValueError:  # a line cut short by a killed process
+                continue
+            try:
+                events.append(record_event(data))
+            except (TypeError, KeyError, ValueError) as e:
+                raise RecordError(
+                    f"{file}:{number} is not an event kernelpack record writes: {e}",
+                    hint="a process of the recorded command wrote into record's directory; record again",
+                ) from None
     return events
 
 
 # ------------------------------------------------------------------------------------------------ one call
 
 
-def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: str | None, factories: Factories) -> Any:
+def _event(
+    sig: CallSignature, arguments: Mapping[str, Any], path: str, site: str | None, factories: Factories
+) -> RecordedCall | RecordProblem:
     """The call event of a call, or the problem event saying why its recipe entry cannot be written."""
-    where = {"call_signature": sig.describe(), "path": path, "site": site}
+    where = {"call_signature": sig.describe(), "path": path}
     try:
         mask, mask_closure, window, padded = _mask(arguments.get("block_mask"), sig, factories)
         score, score_closure = _score(arguments.get("score_mod"), sig, factories)
@@ -405,15 +417,15 @@ def _event(sig: CallSignature, arguments: Mapping[str, Any], path: str, site: st
             graphs=(sig.graph,),
         )
     except NotRebuildable as e:
-        return {"problem": {**where, "reason": e.message, "hint": e.hint}}
+        return RecordProblem(**where, site=site, reason=e.message, hint=e.hint or "")
     except _Unrecordable as e:
-        return {"problem": {**where, "reason": str(e), "hint": e.hint}}
+        return RecordProblem(**where, site=site, reason=str(e), hint=e.hint or "")
     except ConfigError as e:
-        return {"problem": {**where, "reason": f"a recipe cannot declare this call: {e}", "hint": _CONFIG_HINT}}
+        return RecordProblem(**where, site=site, reason=f"a recipe cannot declare this call: {e}", hint=_CONFIG_HINT)
     problem = _check_factories(config, sig)
     if problem is not None:
-        return {"problem": {**where, **problem}}
-    return {"call": {**where, "config": config.to_dict(), "device_index": sig.device_index}}
+        return RecordProblem(**where, site=site, **problem)
+    return RecordedCall(**where, site=site, config=config.to_dict(), device_index=sig.device_index)
 
 
 _CONFIG_HINT = "kernelpack serves the calls a recipe can declare (README, 'Recipe format')"

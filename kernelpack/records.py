@@ -7,6 +7,8 @@ validates it (``from_dict``, raising ``ValueError``/``TypeError``/``KeyError`` n
 - :class:`WorkerResult`: what a build worker reports of one (config, device) (:mod:`kernelpack.build`).
 - :class:`VerifyReport`: what ``kernelpack verify``'s fresh process reports (``verify --json`` prints
   :meth:`VerifyReport.to_dict`).
+- :data:`RecordEvent` (:class:`RecordedCall`, :class:`RecordProblem`, :class:`RecordNote`): what ``kernelpack
+  record``'s processes write of the calls they see, one JSON line each (:func:`record_event` reads one).
 
 Nothing here imports torch.
 """
@@ -359,3 +361,92 @@ class VerifyReport:
             install_seconds=_float(d, "install_seconds", default=0.0),
             installed_files=_int(d, "installed_files", default=0),
         )
+
+
+# ------------------------------------------------------------------------------------------------ record's events
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedCall:
+    """A distinct call ``kernelpack record`` saw, as the recipe point that declares it (``config``: what
+    :meth:`kernelpack.config.Config.to_dict` writes and ``Config.from_dict`` reads; the recipe writer merges the
+    closures of several such points, so it stays that mapping here) and where it was made."""
+
+    call_signature: str  # the call's signature, described
+    path: str  # the entry it came through: "kernelpack.flex_attention", "torch.compile(flex_attention)", ...
+    site: str | None  # the user's line that made it, when known
+    config: dict[str, Any]
+    device_index: int | None = None  # the CUDA device index it ran on (None on CPU)
+
+    @property
+    def seen(self) -> str:
+        """Where it was made, as a recipe's comment says it."""
+        return f"{self.path} at {self.site or 'an unknown site'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "call": {
+                "call_signature": self.call_signature,
+                "path": self.path,
+                "site": self.site,
+                "config": dict(self.config),
+                "device_index": self.device_index,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RecordProblem:
+    """A call whose recipe entry cannot be written, why, and what to do instead."""
+
+    call_signature: str
+    path: str
+    site: str | None
+    reason: str
+    hint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "problem": {
+                "call_signature": self.call_signature,
+                "path": self.path,
+                "site": self.site,
+                "reason": self.reason,
+                "hint": self.hint,
+            }
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RecordNote:
+    """Something record saw that the recipe's reader should know (written as a comment): an eager call, a call it
+    could not read, the user's own torch.compile meeting several shapes."""
+
+    text: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"note": self.text}
+
+
+RecordEvent = RecordedCall | RecordProblem | RecordNote
+
+
+def record_event(data: object) -> RecordEvent:
+    """One event as a recording process wrote it (one JSON line of its ``calls-<pid>.jsonl``): ``{"call": ...}``,
+    ``{"problem": ...}`` or ``{"note": ...}``."""
+    d = _object(data, "a recorded event")
+    if "note" in d:
+        return RecordNote(_str(d, "note"))
+    kind = "call" if "call" in d else "problem" if "problem" in d else None
+    if kind is None:
+        raise KeyError(f"a recorded event holds one of call, problem, note; got {sorted(d)}")
+    e = _object(d[kind], kind)
+    described, path = _str(e, "call_signature", default=""), _str(e, "path")
+    site = _str(e, "site") if e.get("site") is not None else None
+    if kind == "problem":
+        hint = _str(e, "hint", default="") if e.get("hint") is not None else ""
+        return RecordProblem(described, path, site, reason=_str(e, "reason"), hint=hint)
+    index = e.get("device_index")
+    if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        raise TypeError(f"device_index must be an integer or null, got {index!r:.80}")
+    return RecordedCall(described, path, site, config=_object(e.get("config"), "config"), device_index=index)

@@ -20,6 +20,7 @@ from kernelpack.cli import main
 from kernelpack.config import Config
 from kernelpack.errors import RecipeError
 from kernelpack.recipe import load_recipe, parse_recipe
+from kernelpack.records import RecordedCall, record_event
 from kernelpack.verify import verify_artifact
 
 if sys.version_info >= (3, 11):
@@ -301,11 +302,14 @@ def test_a_job_recorded_at_many_lengths_gets_one_range_that_serves_other_lengths
     assert replay.stdout.strip().startswith("0 of 1 compiles missed"), replay.stdout
 
 
-def _event(q: int, kv: int, **over: object) -> dict:
-    """A recorded call event of a small CPU call at these lengths."""
+def _event(q: int, kv: int, **over: object) -> RecordedCall:
+    """A recorded call event of a small CPU call at these lengths, as a recording process writes and record reads
+    it (one JSON line)."""
     fields = dict(device="cpu", mask="sliding_window", window=64, batch=1, q_heads=2, kv_heads=2, head_dim=16)
     c = Config(**fields, q_len=q, kv_len=kv, dtype="float32", **over)  # type: ignore[arg-type]
-    return {"call": {"config": c.to_dict(), "device_index": None, "path": "kernelpack.flex_attention", "site": "x"}}
+    event = RecordedCall("", "kernelpack.flex_attention", "x", c.to_dict())
+    assert record_event(json.loads(json.dumps(event.to_dict()))) == event  # the JSON line reads back as written
+    return event
 
 
 def test_lengths_a_job_already_pads_to_are_written_as_its_buckets() -> None:

@@ -24,6 +24,7 @@ from kernelpack.recipe import (
 )
 from kernelpack.recipe_writer import recipe_text
 from kernelpack.record import recording
+from kernelpack.records import RecordedCall, RecordNote
 from kernelpack.signature import mask_key, mod_graph
 
 PROJECT = Path(__file__).parent / "data" / "record_project"
@@ -221,10 +222,10 @@ def test_recording_stands_in_for_the_call_and_refuses_what_cpu_cannot_build(tmp_
     assert not out_path.exists()
 
 
-def _event(**over: Any) -> dict:
+def _event(device_index: int = 0, **over: Any) -> RecordedCall:
     base = dict(device="cuda", mask="sliding_window", window=1024, batch=1, q_heads=32, kv_heads=8, q_len=4096)
     config = Config(**{**base, "kv_len": 4096, "head_dim": 128, "dtype": "bfloat16", **over})
-    return {"call": {"config": config.to_dict(), "device_index": 0, "path": "kernelpack.flex_attention", "site": "x"}}
+    return RecordedCall("", "kernelpack.flex_attention", "x", config.to_dict(), device_index)
 
 
 def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
@@ -232,8 +233,7 @@ def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
     with both graphs, and a call at another length joins it: lengths that are multiples of one m >= 64 (a job that
     pads) become buckets of m, and lengths that are not, one dynamic range (widened: half the smallest to twice the
     largest length). A call on cuda:1 asks for --devices."""
-    events = [_event(graphs=("fwd",)), _event(graphs=("fwd+bwd",)), _event(graphs=("fwd",), q_len=8192)]
-    events[1]["call"]["device_index"] = 1
+    events = [_event(graphs=("fwd",)), _event(1, graphs=("fwd+bwd",)), _event(graphs=("fwd",), q_len=8192)]
     text = recipe_text(events, name="r")
     recipe = parse_recipe(tomllib.loads(text))
     both = ("fwd", "fwd+bwd")
@@ -248,7 +248,7 @@ def test_a_calls_graphs_and_devices_merge_into_one_entry() -> None:
     ]
     assert "build with --devices 0,1" in text
     with pytest.raises(RecordError, match="no flex_attention call was recorded"):
-        recipe_text([{"note": "n"}], name="r")
+        recipe_text([RecordNote("n")], name="r")
 
 
 # ------------------------------------------------------------------------------------------------ the proof
@@ -427,7 +427,7 @@ def test_text_from_the_job_cannot_break_the_recipe() -> None:
         device="cpu", mask=mask, mask_closure=closure, window=None, batch=1, q_heads=2, kv_heads=2, q_len=256,
         kv_len=256, head_dim=16, dtype="float32",
     )  # fmt: skip
-    event = {"call": {"config": config.to_dict(), "device_index": None, "path": "p", "site": "s\nx"}}
+    event = RecordedCall("", "p", "s\nx", config.to_dict())
     text = recipe_text([event], name="r", source="`python -c 'a\nb'`")
     (again,) = parse_recipe(tomllib.loads(text)).configs
     assert again.reference("mask") == {"function": config.mask, "closure": {"window": odd}}

@@ -14,9 +14,13 @@ from kernelpack.records import (
     GraphTier,
     Lock,
     Pin,
+    RecordedCall,
+    RecordNote,
+    RecordProblem,
     VerifiedConfig,
     VerifyReport,
     WorkerResult,
+    record_event,
 )
 from kernelpack.store import read_lock
 
@@ -115,3 +119,35 @@ def test_a_lock_reads_back_what_it_writes_and_refuses_a_malformed_pin(tmp_path: 
         with pytest.raises(KernelpackError, match="not a kernelpack lock file") as e:
             read_lock(path)
         assert named in str(e.value), str(e.value)
+
+
+def test_record_events_read_back_what_they_write_and_a_malformed_one_is_refused(tmp_path: Path) -> None:
+    """The events a recording process writes, one JSON line each, and what `kernelpack record` reads of them: a line
+    cut short by a killed process is skipped, a line of another shape is refused naming the file and line."""
+    from kernelpack.errors import RecordError
+    from kernelpack.record import read_events
+
+    events = [
+        RecordedCall("[cpu sliding_window(64) ...]", "kernelpack.flex_attention", "job.py:12", {"q_len": 256}, None),
+        RecordedCall("[cuda ...]", "torch.compile(flex_attention)", None, {"q_len": 512}, 3),
+        RecordProblem("[cpu ...]", "kernelpack.flex_attention", "job.py:20", "a mask record cannot rebuild", "a hint"),
+        RecordNote("an eager flex_attention call at job.py:30 ran the dense math path"),
+    ]
+    for e in events:
+        assert record_event(json.loads(json.dumps(e.to_dict()))) == e
+    assert events[1].seen == "torch.compile(flex_attention) at an unknown site"
+    lines = [json.dumps(e.to_dict()) for e in events]
+    (tmp_path / "calls-1.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:17] + "\n")  # the last cut short
+    assert read_events(tmp_path) == events
+    for bad, named in [
+        ({"call": {"path": "p", "config": {}, "device_index": "0"}}, "device_index"),
+        ({"call": {"config": {}}}, "path"),
+        ({"problem": {"path": "p"}}, "reason"),
+        ({"other": 1}, "call, problem, note"),
+        ({"call": {"path": "p", "config": []}}, "config"),
+    ]:
+        with pytest.raises((TypeError, KeyError), match=named):
+            record_event(bad)
+        (tmp_path / "calls-2.jsonl").write_text(json.dumps(bad) + "\n")
+        with pytest.raises(RecordError, match=r"calls-2\.jsonl:1 is not an event"):
+            read_events(tmp_path)
