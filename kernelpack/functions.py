@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import re
 import types
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
@@ -146,14 +147,17 @@ def each_key(fn: Any, frees: Sequence[Collection[str]]) -> list[str]:
     """:func:`key` of ``fn`` for each of ``frees``, from one walk (a served call keys its mask by every value and by
     each set a dynamic config keeps free: one walk of a mask rebuilt every step, not one per set)."""
     digests = [hashlib.sha256() for _ in frees]
-    # the paths some set names (a tensor's by its own path): any other node is encoded once for every set
-    named = {f.split(".shape", 1)[0] for free in frees for f in free}
+    # the paths some set names, a tensor's dimensions by the tensor's path: any other node is encoded once for all
+    named = {p for free in frees for f in free for p in (f, _SHAPE.sub("", f))}
     for node in tree(fn).walk():
         head = f"|{node.path}:{node.kind}:".encode()
         shared = None if node.path in named else head + _encoding(node, ())
         for h, free in zip(digests, frees, strict=True):
             h.update(shared if shared is not None else head + _encoding(node, free))
     return [h.hexdigest() for h in digests]
+
+
+_SHAPE = re.compile(r"\.shape(\[\d+\])?$")  # "anchors.shape[1]", "anchors.shape": the tensor "anchors"'s
 
 
 def _encoding(node: Node, free: Collection[str]) -> bytes:

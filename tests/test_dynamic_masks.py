@@ -98,6 +98,12 @@ def test_one_walk_keys_a_mask_for_every_free_set_and_gives_its_code_shape() -> N
         functions.key(composed),
         functions.key(composed, ("parts[1].w",)),
     ]
+    # a closure value whose name starts like a tensor's dimension ("inner.shape_y") is its own path
+    nested = _nested_shape_name()
+    assert [p for p in (n.path for n in functions.tree(nested).walk())] == ["", "inner", "inner.shape_y"]
+    nested_frees = [(), ("inner.shape_y",)]
+    assert functions.each_key(nested, nested_frees) == [functions.key(nested, f) for f in nested_frees]
+    assert functions.key(nested) != functions.key(nested, ("inner.shape_y",))
     # mask_keys: the same keys, and remembered per function object
     assert mask_keys(a, frees) == [mask_key(a, f) for f in frees]
     # the code shape: the same code with other values (another length, None for an int) is the same shape ...
@@ -112,6 +118,18 @@ def test_one_walk_keys_a_mask_for_every_free_set_and_gives_its_code_shape() -> N
     assert functions.code_shape(_calls(max)) == functions.code_shape(_calls(max))
     assert functions.code_shape(a) == functions.code_shape(_mask(300, blocks=8))  # a tensor's shape: its guards'
     assert functions.code_shape(a) != functions.code_shape(composed)
+
+
+def _nested_shape_name() -> Any:
+    shape_y = 3
+
+    def inner(b, h, q, kv):
+        return q - kv < shape_y
+
+    def outer(b, h, q, kv):
+        return inner(b, h, q, kv)
+
+    return outer
 
 
 def _calls(op: Any) -> Any:

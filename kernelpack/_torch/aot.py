@@ -185,8 +185,8 @@ class Loaded:
 
     def _f_locals(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """What torch's ``prepare_f_locals(**arguments)`` makes (the frame's locals its guards read), without its
-        ``inspect.Signature.bind``: that took ~40 us of a served call's ~500 us beside the kernel (CPU, torch 2.13;
-        bench/dispatch_overhead.py). The first call checks it against torch's own; on any difference (another
+        ``inspect.Signature.bind``: that took ~30 us of a served call's ~500 us beside the kernel (CPU, torch 2.13;
+        bench/dispatch_overhead.py --parts). The first call checks it against torch's own; on any difference (another
         torch's binding) torch's serves from then on."""
         bind = self._bind
         if bind is not None:
