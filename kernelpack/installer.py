@@ -708,8 +708,13 @@ def _child_main() -> None:
     or gave up) interrupts the extract, which rolls back."""
     import _thread
     import pickle
+    import signal
     import sys
 
+    # The watcher stops the extract with interrupt_main(), a simulated SIGINT, which Python drops when SIGINT is
+    # ignored: a job started as `nohup job &` (a shell ignores SIGINT in its background commands) passes SIG_IGN to
+    # this child, which then finished the install after the job died instead of rolling it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     size = int.from_bytes(stdin.read(8), "big")
     path, manifest, target, pinned, mark, only, before = pickle.loads(stdin.read(size))

@@ -552,7 +552,9 @@ def test_a_pinned_install_in_a_child_owns_what_it_installs(smoke_artifact: Path,
 
 
 _KILLED_PARENT = """
-import sys, time
+import signal, sys, time
+if sys.argv[3] == "ignored":  # as under `nohup job &`: the shell ignores SIGINT in a background command
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 from kernelpack.installer import begin_install
 installing = begin_install(sys.argv[1], sys.argv[2])
 print("started", flush=True)
@@ -561,18 +563,22 @@ print("finished", flush=True)
 """
 
 
-def test_the_install_s_child_rolls_back_when_the_job_dies(smoke_artifact: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_the_install_s_child_rolls_back_when_the_job_dies(smoke_artifact: Path, tmp_path: Path, sigint: str) -> None:
     """Issue 36: the job (the child's parent) SIGKILLed while its child extracts: the child sees its stdin close,
     stops and removes what it staged and linked. Nothing is left half-written: no file of the artifact, no staging
     directory, no marker; and the child does not outlive the job by more than a moment. The child is paused
-    (SIGSTOP) while it holds staged files, so that the kill lands mid-install every time."""
+    (SIGSTOP) while it holds staged files, so that the kill lands mid-install every time. ``ignored``: a job whose
+    SIGINT is ignored (started as ``nohup job &``), which its child inherits."""
     import signal
     import time
 
     artifact = _big_artifact(smoke_artifact, tmp_path)
     target = tmp_path / "cache"
     parent = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_PARENT, str(artifact), str(target)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _KILLED_PARENT, str(artifact), str(target), sigint],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert parent.stdout is not None and parent.stdout.readline().strip() == "started"
     child = None

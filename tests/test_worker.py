@@ -115,6 +115,12 @@ def _wait_for(predicate: Any, seconds: float) -> bool:
     return predicate()
 
 
+def _interruptible() -> None:
+    """The command as a terminal starts it, ^C delivered: a test run started in the background of a shell (`pytest
+    &`) ignores SIGINT, and a command keeps an ignored SIGINT ignored, as POSIX programs do."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
@@ -131,6 +137,7 @@ def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: P
         env={**os.environ, "TMPDIR": str(tmp)},
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )
     assert proc.stderr is not None
     for line in proc.stderr:  # the first worker is compiling
@@ -176,6 +183,7 @@ def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: s
         env={**os.environ, "TMPDIR": str(tmp)},
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interruptible,
     )  # fmt: skip
     assert _wait_for(lambda: pids.exists() and pids.read_text(), 60)
     job, child = map(int, pids.read_text().split())
