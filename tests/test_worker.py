@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +116,18 @@ def _wait_for(predicate: Any, seconds: float) -> bool:
     return predicate()
 
 
-def _interruptible() -> None:
-    """The command as a terminal starts it, ^C delivered: a test run started in the background of a shell (`pytest
-    &`) ignores SIGINT, and a command keeps an ignored SIGINT ignored, as POSIX programs do."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+@pytest.fixture
+def sigint_delivered() -> Iterator[None]:
+    """The commands as a terminal starts them, ^C delivered: a test run started in the background of a shell
+    (`pytest &`) ignores SIGINT, a command started from it inherits that, and keeps an ignored SIGINT ignored, as
+    POSIX programs do. A handler (not SIG_IGN) is reset to the default at exec."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.usefixtures("sigint_delivered")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
     """Issue 34: ^C on a --jobs 1 build printed `aborted` after the remaining configs compiled; SIGTERM killed the
@@ -137,7 +143,6 @@ def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: P
         env={**os.environ, "TMPDIR": str(tmp)},
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_interruptible,
     )
     assert proc.stderr is not None
     for line in proc.stderr:  # the first worker is compiling
@@ -170,6 +175,7 @@ time.sleep(600)
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.usefixtures("sigint_delivered")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
     """Issue 34: SIGTERM to `kernelpack record` left the recorded command running and record's temp dir."""
@@ -183,7 +189,6 @@ def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: s
         env={**os.environ, "TMPDIR": str(tmp)},
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_interruptible,
     )  # fmt: skip
     assert _wait_for(lambda: pids.exists() and pids.read_text(), 60)
     job, child = map(int, pids.read_text().split())
