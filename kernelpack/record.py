@@ -399,7 +399,7 @@ def _event(
     sig: CallSignature, arguments: Mapping[str, Any], path: str, site: str | None, factories: Factories
 ) -> RecordedCall | RecordProblem:
     """The call event of a call, or the problem event saying why its recipe entry cannot be written."""
-    where = {"call_signature": sig.describe(), "path": path}
+    described = sig.describe()
     try:
         mask, mask_closure, window, padded = _mask(arguments.get("block_mask"), sig, factories)
         score, score_closure = _score(arguments.get("score_mod"), sig, factories)
@@ -417,15 +417,15 @@ def _event(
             graphs=(sig.graph,),
         )
     except NotRebuildable as e:
-        return RecordProblem(**where, site=site, reason=e.message, hint=e.hint or "")
+        return RecordProblem(described, path, site, reason=e.message, hint=e.hint or "")
     except _Unrecordable as e:
-        return RecordProblem(**where, site=site, reason=str(e), hint=e.hint or "")
+        return RecordProblem(described, path, site, reason=str(e), hint=e.hint or "")
     except ConfigError as e:
-        return RecordProblem(**where, site=site, reason=f"a recipe cannot declare this call: {e}", hint=_CONFIG_HINT)
+        return RecordProblem(described, path, site, reason=f"a recipe cannot declare this call: {e}", hint=_CONFIG_HINT)
     problem = _check_factories(config, sig)
     if problem is not None:
-        return RecordProblem(**where, site=site, **problem)
-    return RecordedCall(**where, site=site, config=config.to_dict(), device_index=sig.device_index)
+        return RecordProblem(described, path, site, **problem)
+    return RecordedCall(described, path, site, config=config.to_dict(), device_index=sig.device_index)
 
 
 _CONFIG_HINT = "kernelpack serves the calls a recipe can declare (README, 'Recipe format')"

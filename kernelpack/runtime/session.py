@@ -257,28 +257,25 @@ def resolve_call(
     # where some config keys its mask so (an artifact of dynamic configs alone never does)
     by_value = manifest.keys_by_value
     mask_keys(mask_mod, ((), *free_sets) if by_value else free_sets)
-    base: CallSignature | None = None  # the first signature made: the others differ from it in the mask alone
+    # one signature made; the others differ from it in the mask alone
+    base = signature_of(arguments, mode, dynamic, mask=None if by_value else mask_key(mask_mod, free_sets[0]))
     if by_value:
-        base = signature_of(arguments, mode, dynamic)
         found = manifest.resolve(base)
         if found is not None:
             return base, found
     near = None
     for free in free_sets:
         key = mask_key(mask_mod, free)
-        keyed = (
-            signature_of(arguments, mode, dynamic, mask=key) if base is None else dataclasses.replace(base, mask=key)
-        )
-        base = base or keyed
+        keyed = base if base.mask == key else dataclasses.replace(base, mask=key)
         found = manifest.resolve(keyed)
         if found is not None:
             return keyed, found
-        if near is None and any(c.mask_key == key for c in manifest.configs):
+        if near is None and any(c.mask_key == keyed.mask for c in manifest.configs):
             near = keyed  # a config's mask, at lengths it does not cover: a refusal then names only the lengths
     # not served: the mask by every value, unless a config's mask at other lengths says more
     if near is not None:
         return near, None
-    return (base if by_value and base is not None else signature_of(arguments, mode, dynamic)), None
+    return (base if by_value else signature_of(arguments, mode, dynamic)), None
 
 
 def padded_length(n: int, *, where: Callable[[Config], bool] | None = None) -> int:
