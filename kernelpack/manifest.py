@@ -371,9 +371,11 @@ class Manifest:
         settings in inductor's keys, kernelpack's version, and per config its parameters, devices and keys, and
         which failed. Two builds of one recipe on one torch build share it, though their bytes differ: torch's
         cache entries hold compile timings and the C++ kernels' .so files differ between links, and
-        the manifest holds timings and the build time. ``push`` recognises a rebuild by it."""
+        the manifest holds timings and the build time. ``push`` recognises a rebuild by it. Not an input: how the
+        build was split (``merged_from`` names the shards, in the order merge was given them), so a plain build
+        and a merge of shards of one recipe, in any order and any count, share it."""
         d = self.to_dict()
-        top = ("format", "kernelpack_version", "recipe", "build_key", "key_settings", "devices", "shard", "merged_from")
+        top = ("format", "kernelpack_version", "recipe", "build_key", "key_settings", "devices", "shard")
         inputs = {
             **{k: d.get(k) for k in top},
             "configs": [

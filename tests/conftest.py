@@ -30,25 +30,51 @@ def tree_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-@pytest.fixture(scope="session")
-def smoke_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The smoke recipe built once per session through the CLI, exactly as the README says."""
+def build_once(tmp_path_factory: pytest.TempPathFactory, recipe: Path, *options: str, jobs: int = 2) -> Path:
+    """``recipe`` built once per test run (``kernelpack build RECIPE -o DIR --jobs JOBS OPTIONS...``, as the README
+    says), and shared: by the pytest-xdist workers of one run (under a lock, in the run's base temp dir, which they
+    share) and by .ci/other-torch's one pytest process per file (``KERNELPACK_TEST_ARTIFACTS``). Keyed by the
+    recipe's bytes, the options and this torch. Only for tests that read the artifact, never change it: a test that
+    repacks or damages one works on a copy."""
+    import fcntl
+    import shutil
+
+    import torch
+
     from kernelpack.cli import main
 
-    shared = os.environ.get("KERNELPACK_TEST_ARTIFACTS")  # .ci/other-torch: one pytest process per file, one build
+    shared = os.environ.get("KERNELPACK_TEST_ARTIFACTS")
     if shared:
-        import torch
-
-        out = Path(shared) / torch.__version__
-        found = sorted(out.glob("*.kpack"))
-        if found:
-            return found[0]
-        out.mkdir(parents=True, exist_ok=True)
+        root = Path(shared)
     else:
-        out = tmp_path_factory.mktemp("smoke")
-    assert main(["build", str(SMOKE), "-o", str(out), "--jobs", "2"]) == 0
+        root = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base temp is popen-gwN under the run's
+            root = root.parent
+    key = hashlib.sha256(recipe.read_bytes() + "\0".join([*options, torch.__version__]).encode()).hexdigest()[:16]
+    out = root / "built" / f"{recipe.stem}-{key}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other workers wait for the one build, then read it
+        if not out.is_dir():
+            work = out.parent / f"{out.name}.partial"
+            shutil.rmtree(work, ignore_errors=True)  # a worker killed mid-build left it
+            assert main(["build", str(recipe), "-o", str(work), "--jobs", str(jobs), *options]) == 0
+            work.rename(out)  # whole, or not there
     (artifact,) = out.glob("*.kpack")
     return artifact
+
+
+@pytest.fixture(scope="session")
+def smoke_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smoke recipe built once per test run through the CLI, exactly as the README says."""
+    return build_once(tmp_path_factory, SMOKE)
+
+
+@pytest.fixture(scope="session")
+def smoke_shards(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The smoke recipe built again, as CI's build-kernels workflow builds a recipe: in 2 shards (one config each).
+    Merged, they are a rebuild of ``smoke_artifact``: same inputs, other bytes."""
+    return [build_once(tmp_path_factory, SMOKE, "--shard", f"{i}/2") for i in (1, 2)]
 
 
 def run_json(

@@ -341,8 +341,13 @@ def _specforge() -> Any:
     "mask",
     [
         "own",
+        # slow: the same job as "own" with SpecForge's mask function; the README's test command keeps "own"
         pytest.param(
-            "specforge", marks=pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed")
+            "specforge",
+            marks=[
+                pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed"),
+                pytest.mark.slow,
+            ],
         ),
     ],
 )
@@ -387,6 +392,9 @@ def test_the_drafter_job_is_recorded_built_and_served_at_every_context_length(
         assert runs["built"] > 0 and (runs["served"], runs["refused"], runs["compiled"]) == (0, 0, 0), runs
 
 
+# slow: a record, a build and 3 threads of SpecForge's model, about a minute; the README's test command keeps the
+# drafter job in this shape ("own") and takeover through transformers (test_runtime)
+@pytest.mark.slow
 @pytest.mark.skipif(_specforge() is None, reason="specforge 0.2.0 is not installed")
 def test_specforges_own_dflash_model_is_recorded_built_and_served_with_takeover(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

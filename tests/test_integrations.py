@@ -211,10 +211,13 @@ def test_docs_transformers_md_lists_the_families_the_tests_run() -> None:
     assert doc.read_text() == families.doc(), "regenerate: python tests/families.py --doc > docs/transformers.md"
 
 
-# once: a record, a build of 10 configs and 2 fresh processes, about 2 minutes (4 on CI's machine): the main
-# suite's torch only. The torch-internal halves run on every torch: the model class imported after activate() in
-# test_precompiled, the layouts here (no build); the H200's GPU suite runs the matrix with backward on 2.11
+# once: a record, a build of 10 configs and 2 fresh processes, about 3 minutes: the main suite's torch only. The
+# torch-internal halves run on every torch: the model class imported after activate() in test_precompiled, the
+# layouts here (no build); the H200's GPU suite runs the matrix with backward on 2.11. slow: the README's test
+# command keeps record -> build -> replay of a transformers model in test_recording and attn_implementation
+# "kernelpack" in test_runtime
 @pytest.mark.once
+@pytest.mark.slow
 def test_every_family_records_builds_and_replays_with_no_compile(tmp_path: Path) -> None:
     """Issue 35 item 1 on CPU: `kernelpack record` of one forward of every family (tests/families.py: Llama,
     Mistral, Qwen2, Qwen3 with mixed layers, Gemma2's softcap, Gemma3's one kv head and head_dim 256, Phi-3's and
@@ -254,8 +257,10 @@ def test_every_family_records_builds_and_replays_with_no_compile(tmp_path: Path)
 DYNAMIC_FAMILIES = ("gemma3", "phi3", "llama-packed", "llama-padded")
 
 
-# once: a record, a build of 5 dynamic configs and 3 fresh processes, about 2 minutes
+# once: a record, a build of 5 dynamic configs and 3 fresh processes, about 2 minutes. slow: the README's test
+# command keeps a recorded range served at lengths never recorded (test_lengths, test_dynamic_masks' drafter job)
 @pytest.mark.once
+@pytest.mark.slow
 def test_families_recorded_at_one_length_with_lengths_are_served_at_another(tmp_path: Path) -> None:
     """Issue 35 item 4: one recorded step with `kernelpack record --lengths 129:1024` yields an artifact for the job's
     every length: replayed at a length never recorded (384), in a fresh process that activates before importing the

@@ -135,15 +135,11 @@ def test_calls_tables_take_ranges_too() -> None:
 # ------------------------------------------------------------------------------------------------ built, then served
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("lengths")
-    artifacts = {}
-    for kind in ("buckets", "dynamic"):
-        result = build_recipe(DATA / f"lengths-{kind}.toml", out / kind, jobs=2)
-        assert result.artifact is not None and not result.failed
-        artifacts[kind] = result.artifact
-    return artifacts
+    from conftest import build_once
+
+    return {kind: build_once(tmp_path_factory, DATA / f"lengths-{kind}.toml") for kind in ("buckets", "dynamic")}
 
 
 def test_a_dynamic_graph_traced_at_one_length_covers_the_range_in_a_fresh_process(built: dict[str, Path]) -> None:
@@ -276,6 +272,9 @@ if len(sys.argv) > 5:
 """
 
 
+# slow: a record, a build and a replay; the README's test command keeps the drafter job recorded at many lengths
+# into one range per mask and served at others (test_dynamic_masks)
+@pytest.mark.slow
 def test_a_job_recorded_at_many_lengths_gets_one_range_that_serves_other_lengths(tmp_path: Path) -> None:
     """`kernelpack record` of a job whose length changes every step writes one dynamic range, not a table per
     length; built, it serves the job at lengths it never recorded, with no compile."""
@@ -357,6 +356,9 @@ print(json.dumps({"lengths": lengths, "max_error": max(errors), "compiles": len(
 """
 
 
+# slow: 4 static buckets built, about a minute; the README's test command keeps a factory mask over a tensor
+# served with each step's values (test_runtime) and padding to buckets (the buckets arm above)
+@pytest.mark.slow
 def test_a_drafters_mask_over_per_step_anchors_is_served_at_every_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -367,7 +367,26 @@ print(json.dumps({"id": config.id, "error": float((out - ref).abs().max()), "ser
 """
 
 
-@pytest.mark.once  # file names by content: kernelpack's
+@pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
+def test_a_built_function_is_named_by_the_hash_of_its_bytes(smoke_artifact: Path, tmp_path: Path) -> None:
+    """What keeps a rebuilt artifact's function off an older build's path (the slow test below proves it with a
+    rebuild): in a built artifact, every precompiled function's path ends in its bytes' sha256, and the file there
+    hashes to it."""
+    from kernelpack import artifact as art
+
+    manifest = art.unpack(smoke_artifact, tmp_path / "tree")
+    functions = [(c, p) for c in manifest.configs for p in c.precompiled]
+    assert functions, "the smoke artifact holds no precompiled function"
+    for c, p in functions:
+        assert p.path == precompiled.file_name(c.id, p.device, p.graph, p.sha256), p.path
+        assert p.path.endswith(f"-{p.sha256[:32]}.bin"), p.path  # the content, not only the config, names it
+        assert hashlib.sha256((tmp_path / "tree" / p.path).read_bytes()).hexdigest() == p.sha256, p.path
+
+
+# once: file names by content are kernelpack's. slow: two builds and two jobs, about 40 s; the README's test command
+# keeps the naming itself (the test above)
+@pytest.mark.once
+@pytest.mark.slow
 @pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
 def test_a_rebuilt_artifact_in_a_shared_cache_dir_runs_its_own_mask_not_the_previous_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

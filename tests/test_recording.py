@@ -271,6 +271,9 @@ def _replay(artifact: Path, mode: str, tmp_path: Path) -> dict:
     return run_json(cmd)
 
 
+# slow: two records, a build and two replays, about a minute; the README's test command keeps record -> build ->
+# replay of a script (the drafter job in test_dynamic_masks)
+@pytest.mark.slow
 def test_a_users_block_recorded_from_its_script_builds_and_replays_with_no_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -301,6 +304,9 @@ def test_a_users_block_recorded_from_its_script_builds_and_replays_with_no_miss(
         assert set(out["paths"]) <= {"kernelpack warm-up", "kernelpack load", "torch.compile(flex_attention)"}, out
 
 
+# slow: a record, a build and a replay, about 35 s; the README's test command keeps the record of a job's script
+# (test_dynamic_masks' drafter job) and a transformers model served with no compile (test_runtime)
+@pytest.mark.slow
 def test_a_transformers_model_recorded_from_its_script_builds_and_replays_with_no_miss(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -375,6 +381,9 @@ def wrong(config):
 """
 
 
+# slow: the factory route, now the exception (a mask over tensors records without one: test_dynamic_masks); the
+# README's test command keeps a factory's mask served with each step's values (test_runtime)
+@pytest.mark.slow
 def test_a_mask_over_a_tensor_records_through_the_factory_the_error_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

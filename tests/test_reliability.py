@@ -142,7 +142,7 @@ def test_mutated_artifacts_are_rejected_or_install_identically(smoke_artifact: P
     run_mutations(smoke_artifact, tmp_path, MUTATIONS, seed=20261129)
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_many_more_mutations(smoke_artifact: Path, tmp_path: Path) -> None:
     run_mutations(smoke_artifact, tmp_path, 10 * MUTATIONS, seed=1)
 

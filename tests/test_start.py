@@ -40,10 +40,10 @@ def _recipe(tmp_path: Path, lengths: list[int]) -> Path:
     return path
 
 
-# slow: 16 configs compile, 575 s of CI's 90 minutes beside the other stream (2026-12-02), a tenth of its budget. CI
-# keeps what makes it so: test_precompiled's lazy loads (activate() loads one function, the rest at their first
-# call). Run it with `python -m pytest -m slow tests/test_start.py` (about 4 minutes on 2 cores).
-@pytest.mark.slow
+# manual: 16 configs compile, 575 s of CI's 90 minutes beside the other stream (2026-12-02), a tenth of its budget.
+# CI keeps what makes it so: test_precompiled's lazy loads (activate() loads one function, the rest at their first
+# call). Run it with `python -m pytest -m manual tests/test_start.py` (about 4 minutes on 2 cores).
+@pytest.mark.manual
 @pytest.mark.skipif(precompiled.unavailable() is not None, reason="no aot_compile in this torch")
 def test_activate_of_16_buckets_costs_what_2_buckets_cost(tmp_path: Path) -> None:
     """Medians of 3 fresh processes each, alternated (6 more each if the first medians are past the bound: the CI
