@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -26,6 +27,16 @@ def kp(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> s
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
+def kp_cpu(*args: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    """:func:`kp`, and the CPU seconds its process tree spent. A "before any compile" bound holds on a machine whose
+    cores other tests keep busy (pytest-xdist's other worker, CI's other stream), where a wall clock would also count
+    the waits for a core: 5.9 s of wall for a refusal that spends 2 s of CPU, in CI beside two other processes."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = kp(*args)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return proc, after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+
 def one_config_recipe(tmp_path: Path, extra: str = "") -> Path:
     recipe = tmp_path / "one.toml"
     recipe.write_text(
@@ -40,9 +51,7 @@ def test_a_cuda_recipe_without_cuda_fails_up_front(tmp_path: Path) -> None:
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    start = time.perf_counter()
-    proc = kp("build", str(ROOT / "recipes/dflash-drafter.toml"), "-o", str(tmp_path / "out"))
-    seconds = time.perf_counter() - start
+    proc, seconds = kp_cpu("build", str(ROOT / "recipes/dflash-drafter.toml"), "-o", str(tmp_path / "out"))
     assert proc.returncode == 1 and seconds < 5, (seconds, proc.stderr)
     assert "is for CUDA, but torch" in proc.stderr and proc.stderr.count("hint: ") == 1, proc.stderr
     if torch.version.cuda is None:  # a CPU build of torch (CI's); a CUDA build without a GPU gets the driver hint
@@ -54,18 +63,16 @@ def test_a_cuda_recipe_without_cuda_fails_up_front(tmp_path: Path) -> None:
 def test_an_unwritable_output_and_an_unimportable_factory_fail_before_any_compile(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    start = time.perf_counter()
-    proc = kp("build", str(SMOKE), "-o", str(blocker / "out"))
-    assert proc.returncode == 1 and time.perf_counter() - start < 5, proc.stderr
+    proc, seconds = kp_cpu("build", str(SMOKE), "-o", str(blocker / "out"))
+    assert proc.returncode == 1 and seconds < 5, (seconds, proc.stderr)
     assert f"cannot write the artifact in {blocker / 'out'}" in proc.stderr and "is not a directory" in proc.stderr
     recipe = tmp_path / "r.toml"
     recipe.write_text(
         'name = "r"\ndevice = "cpu"\nmask = "no_such_module_kp:factory"\nwindows = [32, 64, 96]\n'
         "[matrix]\nq_heads = 2\nhead_dim = 16\nseq_len = 128\ndtypes = ['float32']\n"
     )
-    start = time.perf_counter()
-    proc = kp("build", str(recipe), "-o", str(tmp_path / "out"))
-    assert proc.returncode == 1 and time.perf_counter() - start < 5, proc.stderr
+    proc, seconds = kp_cpu("build", str(recipe), "-o", str(tmp_path / "out"))
+    assert proc.returncode == 1 and seconds < 5, (seconds, proc.stderr)
     # once, not once per config, and before any worker ran
     assert proc.stderr.count("cannot import module 'no_such_module_kp'") == 1, proc.stderr
     assert "building" not in proc.stderr and not (tmp_path / "out").exists()
@@ -174,9 +181,8 @@ def test_a_missing_recipe_file_says_so(capsys: pytest.CaptureFixture[str], tmp_p
 def test_verify_of_a_damaged_artifact_says_so_once(smoke_artifact: Path, tmp_path: Path) -> None:
     half = tmp_path / "half.kpack"
     half.write_bytes(smoke_artifact.read_bytes()[: smoke_artifact.stat().st_size // 2])
-    start = time.perf_counter()
-    proc = kp("verify", str(half))
-    assert proc.returncode == 1 and time.perf_counter() - start < 10, proc.stderr
+    proc, seconds = kp_cpu("verify", str(half))
+    assert proc.returncode == 1 and seconds < 10, (seconds, proc.stderr)
     lines = proc.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: "), proc.stderr
     assert proc.stderr.count(str(half)) == 1 and "truncated" in lines[0] and "this torch build" not in lines[1]
@@ -254,11 +260,11 @@ def test_hostile_options_and_paths_are_refused_before_any_work(
         (["build", str(SMOKE), "-o", str(out), "--timeout", "0"], "'--timeout': 0.0 is not in the range"),
         (["install", str(smoke_artifact), "--device-index", "-1"], "'--device-index': -1 is not in the range"),
     ):
-        start = time.perf_counter()
+        start = time.process_time()  # this process's CPU: what a core busy with another test does not inflate
         assert main(argv) == 1, argv
         err = capsys.readouterr().err
         assert fragment in err and err.startswith("error: ") and "hint: " in err, (argv, err)
-        assert time.perf_counter() - start < 5 and not out.exists()
+        assert time.process_time() - start < 5 and not out.exists()
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert main(["ls", str(afile)]) == 1

@@ -789,9 +789,9 @@ def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_arti
 
     big = _crafted(smoke_artifact, tmp_path / "big.kpack", largest)
     assert big.stat().st_size < 1 << 20
-    start = time.perf_counter()
+    start = time.process_time()  # CPU, not the wall: the bar holds while other tests keep the cores busy (xdist)
     manifest = art.read_manifest(big)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     assert len(manifest.configs) == MAX_CONFIGS and seconds < 2.5, seconds  # at ce002de: 5.3 s
     tracemalloc.start()
     art.read_manifest(big)
