@@ -1,4 +1,4 @@
-"""The transformers model matrix (issue 35): tiny random-weight models of transformers' own classes, each a family's
+"""The transformers model matrix: tiny random-weight models of transformers' own classes, each a family's
 attention as its code calls flex, run as a user's job would run them through kernelpack.
 
     kernelpack record -o r.toml -- python tests/families.py              # the calls of every family, recorded

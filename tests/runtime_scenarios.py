@@ -1067,7 +1067,7 @@ def backward_wait(artifact: str, cache: str) -> dict[str, Any]:
 
 
 def random_lengths(artifact: str, cache: str) -> dict[str, Any]:
-    """Issue 17: strict activate() of a range artifact, then 24 calls at random real lengths (not multiples of 128):
+    """Strict activate() of a range artifact, then 24 calls at random real lengths (not multiples of 128):
     a dynamic range serves each as it is; buckets serve each padded at the end to runtime.padded_length(n), the
     padded keys masked out by masks.padded over a 0-d tensor and the padded query rows dropped. Each output is
     checked against the float64 reference at the real length; a length past the range is refused."""

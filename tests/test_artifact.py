@@ -374,7 +374,7 @@ def test_manifest_round_trips_through_json() -> None:
 
 
 def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() -> None:
-    """Tier 2's entries (issue 18): listed per config, device and graph; a path outside kernelpack-precompiled/ or
+    """Tier 2's entries: listed per config, device and graph; a path outside kernelpack-precompiled/ or
     not among the files is refused, as is an unknown graph."""
     sha = "ab" * 32
     blob = {"path": f"kernelpack-precompiled/x-0-fwd_bwd-{sha[:32]}.bin", "size": 3, "sha256": sha}
@@ -392,7 +392,7 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
         (entry, [], "not among the files"),
         ({**entry, "graph": "bwd"}, [blob], "graph must be one of"),
         ({**entry, "device": 1}, [blob], "not a built device and graph"),
-        # content-addressed (issue 34): named by its sha256, which the files entry must hold too
+        # content-addressed: named by its sha256, which the files entry must hold too
         ({**entry, "sha256": "cd" * 32}, [blob], "the 64 hex digits its path is named by"),
         ({**entry, "sha256": None}, [blob], "the 64 hex digits"),
         (entry, [{**blob, "sha256": sha[:32] + "0" * 32}], "another sha256 in the files"),
@@ -405,7 +405,7 @@ def test_precompiled_functions_round_trip_and_must_be_files_of_the_artifact() ->
 
 
 def test_a_manifest_of_format_1_is_refused_and_format_2_needs_every_mask_key() -> None:
-    """Format 2 (issue 33: mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
+    """Format 2 (mask_free, keys by type) has no fallbacks: a format-1 manifest is refused naming both
     formats, and a config without its mask_key is malformed (the label is no longer what a mask computes)."""
     old = with_configs({"params": PARAMS, "devices": [0], "mask_key": "sliding_window(1024)"})
     # 3: marks; 4: content-addressed tier 2; 5: the manifest sealed by its own sha256; 6: ids of every parameter

@@ -1,4 +1,4 @@
-"""The CLI as a new user meets it (issue 19): up-front checks, progress, hints that match the cause, usage errors as
+"""The CLI as a new user meets it: up-front checks, progress, hints that match the cause, usage errors as
 ``error:``/``hint:`` with exit 1. Real builds and verifies on CPU; each test fails without its fix."""
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def test_a_worker_is_killed_when_its_parent_stops_polling(tmp_path: Path) -> Non
 def test_hostile_options_and_paths_are_refused_before_any_work(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 34: options without ranges failed late (``--level`` at pack time, after compiling everything) or
+    """Options without ranges failed late (``--level`` at pack time, after compiling everything) or
     meant something else (a nan ``--timeout``: none); ``ls`` of a file listed nothing, exit 0; hints named options
     and targets the command does not have. Each is refused at once here, in the error:/hint: form."""
     out = tmp_path / "out"

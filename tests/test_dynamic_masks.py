@@ -1,4 +1,4 @@
-"""Issue 33: a mask is keyed as torch keys it. One walker answers "is this the same function?"
+"""A mask is keyed as torch keys it. One walker answers "is this the same function?"
 (:mod:`kernelpack.functions`); the closure values a dynamic graph keeps symbolic (a DFlash-shaped mask's context
 length) enter its key by type, as Dynamo's own guards say; tensors it closes over are inputs (by shape and dtype);
 record writes one config per graph-selecting variant with the lengths as a dynamic range; the job is served at every

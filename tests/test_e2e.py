@@ -103,7 +103,7 @@ def test_verify_fails_naming_the_config_when_its_entries_are_missing(
 ) -> None:
     """An artifact without its FX-graph entries and kernels: verify must see the recompiles and fail loudly, naming
     every config, with the error and its hint on stderr and, where the hint points, the failed report with every
-    config's counters on stdout (issue 19). Through the CLI only: each verify of this artifact compiles every config
+    config's counters on stdout. Through the CLI only: each verify of this artifact compiles every config
     cold, and the CLI's error is the API's VerifyError, printed."""
     broken = repack(
         smoke_artifact,
@@ -159,7 +159,7 @@ def test_user_mask_factory_keep_going_builds_the_rest_and_verifies(
 
     result = build_recipe(user_recipe(tmp_path, "[32, 64]"), tmp_path / "out", jobs=2, keep_going=True)
     assert result.artifact is not None and len(result.failed) == 1
-    # from Python too, a line per config as it starts and ends (issue 34: a minute or more of silence)
+    # from Python too, a line per config as it starts and ends (a minute or more of silence)
     err = capfd.readouterr().err
     assert "building 2 config(s), 2 at a time" in err and err.count("started ") == 2
     assert "] ok " in err and "] FAIL " in err

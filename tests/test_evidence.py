@@ -64,7 +64,7 @@ print(json.dumps({"summary": report().summary(), "unseen": report().unseen}))
 
 
 def test_the_report_never_says_0_for_a_process_that_compiled(tmp_path: Path) -> None:
-    """Issue 34: report() said "0 of 0 compiles missed" for a process that compiled before kernelpack watched (the
+    """report() said "0 of 0 compiles missed" for a process that compiled before kernelpack watched (the
     README's first example at an uncovered shape). It says what torch counted and it has no record of."""
     out = run_json([sys.executable, "-c", NO_ACTIVATE], env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c")})
     assert out["unseen"] and "FX-graph cache misses that have no record here" in out["unseen"][0], out

@@ -28,7 +28,7 @@ def gpu_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_devices_that_are_not_visible_are_refused_up_front(tmp_path: Path) -> None:
-    """Issue 19: --devices is checked against the visible GPUs before any worker starts."""
+    """--devices is checked against the visible GPUs before any worker starts."""
     import time
 
     import torch
@@ -152,7 +152,7 @@ def test_multi_device_build_covers_every_index(tmp_path: Path) -> None:
         report.to_dict()["totals"]["inductor.fxgraph_cache_miss"] == 0
         and report.to_dict()["totals"]["triton_compiled"] == 0
     )
-    # tier 2 per device index (issue 20): a function per (config, graph, index), each proven by verify
+    # tier 2 per device index: a function per (config, graph, index), each proven by verify
     graphs = sum(len(c["params"]["graphs"]) for c in m["configs"])
     assert report.to_dict()["precompiled"] == graphs * len(devices), report.to_dict()["configs"]
 
@@ -220,7 +220,7 @@ open(os.path.join(sys.argv[3], f"rank{rank}.json"), "w").write(json.dumps(out))
 
 @pytest.mark.skipif("_gpus() < 2", reason="needs 2 GPUs")
 def test_tier_2_serves_every_device_index_and_every_pinned_rank(gpu_artifact: Path, tmp_path: Path) -> None:
-    """Issue 20, item 3. One process with a thread per GPU, on an artifact built with --devices 0..N-1: every
+    """One process with a thread per GPU, on an artifact built with --devices 0..N-1: every
     index's calls are served by its own precompiled function, with no Dynamo frame. Then torchrun with one pinned
     rank per GPU, on the single-GPU artifact: every rank (each sees cuda:0) is served by tier 2."""
     devices = list(range(_gpus()))
@@ -254,7 +254,7 @@ def test_tier_2_serves_every_device_index_and_every_pinned_rank(gpu_artifact: Pa
 
 @pytest.mark.skipif("_gpus() < 2", reason="needs 2 GPUs")
 def test_a_transformers_model_trains_under_torchrun_on_every_pinned_rank(tmp_path: Path) -> None:
-    """Issue 20, item 2: bench/torchrun_train.py's transformers model (a tiny Mistral, lengths 256 and 512) trains
+    """bench/torchrun_train.py's transformers model (a tiny Mistral, lengths 256 and 512) trains
     under torchrun, one rank per GPU. With pin_local_gpu() every rank's first steps compile nothing and tier 2 serves
     them; without it, rank 0 (cuda:0) is served and every other rank is refused, in strict and in non-strict mode,
     the error naming the device index as the only difference and pin_local_gpu() as the fix."""
@@ -288,7 +288,7 @@ HF_RECIPE = Path(__file__).parent / "data" / "gpu-hf.toml"
 
 
 def test_an_hf_style_training_block_is_served_in_threads_with_checkpointing(tmp_path: Path) -> None:
-    """Issue 13 on CUDA: a recipe with the call transformers makes (bshd layout, identity score_mod closure, scale,
+    """On CUDA: a recipe with the call transformers makes (bshd layout, identity score_mod closure, scale,
     lse through return_aux, GQA) builds with the lse checked against the float64 reference; then bench/hf_block.py's
     block (Linear projections, .view().transpose(1, 2), the user's own mask through torch's create_block_mask, its
     own score_mod closure) trains in 3 threads, with and without checkpointing, and compiles nothing."""
@@ -301,7 +301,7 @@ def test_an_hf_style_training_block_is_served_in_threads_with_checkpointing(tmp_
 
 
 def test_a_transformers_model_trains_through_kernelpack_and_in_checkpointed_threads(tmp_path: Path) -> None:
-    """Issue 14 on CUDA: the recipe of a tiny Mistral config (sliding window, GQA 4/2), forward and forward +
+    """On CUDA: the recipe of a tiny Mistral config (sliding window, GQA 4/2), forward and forward +
     backward, built; a training step with attn_implementation="kernelpack" in a fresh process compiles nothing,
     equals transformers' own flex path (loss, every gradient, the attention output and the lse it asks for on CUDA);
     then 3 threads, each its own model, train with transformers' gradient checkpointing (reentrant and not) and
@@ -334,7 +334,7 @@ def test_a_transformers_model_trains_through_kernelpack_and_in_checkpointed_thre
 
 
 def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path: Path) -> None:
-    """Issue 15 on CUDA: `kernelpack record` of a user's training step (a tiny Mistral, attn_implementation=
+    """On CUDA: `kernelpack record` of a user's training step (a tiny Mistral, attn_implementation=
     "kernelpack", transformers' reentrant gradient checkpointing: the forward under no_grad and its recompute with
     grad), built with no hand edit, replayed in a fresh process: the step compiles nothing."""
     pytest.importorskip("transformers")
@@ -345,7 +345,7 @@ def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path:
     cli = [sys.executable, "-m", "kernelpack.cli"]
     subprocess.run([*cli, "record", "-o", str(recipe), "--", *job], env=env, check=True, timeout=600)
     text = recipe.read_text()
-    # two lengths, both multiples of 256: one table of buckets (issue 33), with both graphs
+    # two lengths, both multiples of 256: one table of buckets, with both graphs
     assert text.count("[[calls]]") == 1 and "multiple = 256" in text, text
     assert text.count('graphs = ["fwd", "fwd+bwd"]') == 1, text
     built = build(recipe, tmp_path / "out", jobs=2)
@@ -357,7 +357,7 @@ def test_a_recorded_transformers_training_step_replays_with_no_compile(tmp_path:
 
 @pytest.mark.parametrize("kind", ["dynamic", "buckets"])
 def test_a_transformers_model_trains_at_random_lengths_with_no_compile(kind: str, tmp_path: Path) -> None:
-    """Issue 17 on CUDA: a tiny Mistral's recipe over lengths 200..1000, as one dynamic graph or as buckets of 256;
+    """On CUDA: a tiny Mistral's recipe over lengths 200..1000, as one dynamic graph or as buckets of 256;
     verify (for the dynamic one, 20 random lengths in a fresh process); then a fresh process trains 12 steps at
     random lengths (padded to the buckets for the bucketed one) and compiles nothing, and 3 threads with reentrant
     gradient checkpointing at random lengths compile nothing."""
@@ -394,7 +394,7 @@ FAMILY_PARTS = {
 
 @pytest.mark.parametrize("part", list(FAMILY_PARTS))
 def test_every_family_trains_through_kernelpack_with_no_compile(part: str, tmp_path: Path) -> None:
-    """Issue 35 item 1 on CUDA: a training step (forward + backward, bf16, length 256) of every family of
+    """On CUDA: a training step (forward + backward, bf16, length 256) of every family of
     tests/families.py (GPT-OSS's attention sinks included), recorded with `kernelpack record`, built with no hand
     edit, replayed in a fresh process that calls activate() before importing the models' classes: nothing compiles
     in any family's step, nothing is refused or missed, and the logits and loss are transformers' own compiled
@@ -422,7 +422,7 @@ def test_every_family_trains_through_kernelpack_with_no_compile(part: str, tmp_p
 def test_a_drafters_anchor_mask_is_served_by_one_dynamic_graph_at_every_length(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 17 on CUDA: the DFlash-style mask over per-step anchors (tests/data/lengths_project) as one dynamic
+    """On CUDA: the DFlash-style mask over per-step anchors (tests/data/lengths_project) as one dynamic
     graph over 256..1024 (on CPU torch 2.13 this graph fails to compile: tests/data/lengths-anchors.toml); a fresh
     process calls 10 lengths, each with its own anchors: nothing compiles, the outputs are the job's."""
     from test_lengths import ANCHOR_JOB
@@ -471,7 +471,7 @@ print(json.dumps({"frames": counters["frames"]["ok"] - frames, "tiers": sorted({
 
 
 def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_artifact: Path, tmp_path: Path) -> None:
-    """Issue 18 on CUDA: verify proves every graph is served by its precompiled function with tier 1's outputs; a
+    """On CUDA: verify proves every graph is served by its precompiled function with tier 1's outputs; a
     fresh process after activate() makes every config's forward and backward through kernelpack.flex_attention with
     no Dynamo frame, served by tier 2, its outputs and gradients bitwise equal to tier 1's
     (KERNELPACK_PRECOMPILED=0)."""
@@ -500,7 +500,7 @@ def test_training_calls_are_served_by_precompiled_functions_bit_for_bit(gpu_arti
 def test_the_drafter_job_trains_in_threads_at_every_context_length_with_no_compile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 33 on CUDA: the DFlash-shaped drafter job (tests/data/record_project/drafter_job.py), training with
+    """On CUDA: the DFlash-shaped drafter job (tests/data/record_project/drafter_job.py), training with
     reentrant checkpointing, recorded with no option (the fwd and fwd+bwd graphs of the sliding and the full mask),
     built, then trained by 3 threads at context lengths it never recorded: nothing compiles, misses, is refused or
     runs dense, and every graph is served."""
@@ -547,7 +547,7 @@ print(json.dumps(out))
 
 
 def test_rows_guaranteed_safe_turns_exactly_the_rows_first_tile_gaps_finds_into_nan(tmp_path: Path) -> None:
-    """Issue 35 item 5, against flex's real Triton kernel: with ROWS_GUARANTEED_SAFE and a fixed BLOCK_N, the rows the
+    """Against flex's real Triton kernel: with ROWS_GUARANTEED_SAFE and a fixed BLOCK_N, the rows the
     compiled forward returns as NaN are the rows first_tile_gaps(bm, BLOCK_N) names: none for a window wider than the
     sequence (causal), some for sliding windows, and fewer with a wider tile. flex's default is never NaN. The build
     refuses such a config by that check (tests/test_workload.py), before compiling."""

@@ -1,5 +1,5 @@
 """kernelpack._imports: hooks that run when a module finishes importing, and evidence's watches attached that way
-(issue 36: install_hooks() no longer imports Dynamo or inductor)."""
+(install_hooks() no longer imports Dynamo or inductor)."""
 
 from __future__ import annotations
 

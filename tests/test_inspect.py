@@ -1,4 +1,4 @@
-"""`kernelpack inspect` on damaged artifacts (issue 19): plain inspect says it read the manifest only, and
+"""`kernelpack inspect` on damaged artifacts: plain inspect says it read the manifest only, and
 ``inspect --verify`` reads every member against the manifest, without torch. The committed fixture
 tests/data/tiny-cpu.kpack stands in for a build, so nothing compiles here."""
 

@@ -304,7 +304,7 @@ def test_no_world_writable_files_even_with_umask_zero(smoke_artifact: Path, tmp_
 def test_a_cache_dir_others_can_change_is_refused_before_anything_is_written(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # torch's default /tmp/torchinductor_<user> can be made by any local user before the job starts (issue 34)
+    # torch's default /tmp/torchinductor_<user> can be made by any local user before the job starts
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -375,7 +375,7 @@ def test_a_cache_dir_torch_cannot_use_is_refused_naming_why(smoke_artifact: Path
 def test_a_marker_that_cannot_be_written_takes_the_committed_files_with_it(
     smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 34: a full disk at the marker, after the files were committed, exited 1 with the files in place. The
+    """A full disk at the marker, after the files were committed, exited 1 with the files in place. The
     marker is part of the commit now: the target ends exactly as it was. (ENOSPC injected at the marker's write:
     a real full disk at exactly that byte is not reproducible here.)"""
     import errno
@@ -404,7 +404,7 @@ def test_a_marker_that_cannot_be_written_takes_the_committed_files_with_it(
 def test_a_pinned_install_copies_nothing_and_leaves_nothing(
     smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 34: a pinned install copied the artifact into $TMPDIR/kernelpack-pinned-* on every rank, and a killed
+    """A pinned install copied the artifact into $TMPDIR/kernelpack-pinned-* on every rank, and a killed
     one left its copy for ever. It reads the pinned bytes through the descriptor it hashed them through now."""
     import tempfile
 
@@ -445,7 +445,7 @@ def test_a_pinned_install_copies_nothing_and_leaves_nothing(
 def test_activate_refuses_a_cache_dir_variable_torch_cannot_use_before_torch_reads_it(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:
-    """Issue 34: TORCHINDUCTOR_CACHE_DIR naming a file gave a raw torch traceback from activate() (importing
+    """TORCHINDUCTOR_CACHE_DIR naming a file gave a raw torch traceback from activate() (importing
     inductor makes that directory). kernelpack refuses it first, naming it."""
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -482,7 +482,7 @@ def _contents(root: Path) -> dict[str, tuple[int, str]]:
 def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
     smoke_artifact: Path, tmp_path: Path, in_child: bool
 ) -> None:
-    """Issue 36: a background start installs first what tier 2 loads (every file but inductor's FX-graph and
+    """A background start installs first what tier 2 loads (every file but inductor's FX-graph and
     AOTAutograd entries, which only a trace reads), then the rest and the marker. After the first part: exactly
     those files, verified, no marker; a second worker's first part finds them (its own marker) and writes nothing;
     after both parts the tree is what a one-part install writes, and the marker makes the next install a no-op.
@@ -530,7 +530,7 @@ def test_a_corrupt_artifact_fails_the_first_part_with_the_target_unchanged(
 
 
 def test_a_pinned_install_in_a_child_owns_what_it_installs(smoke_artifact: Path, tmp_path: Path) -> None:
-    """Issue 36: the install's child process reads the pinned artifact through the descriptor the job hashed it
+    """The install's child process reads the pinned artifact through the descriptor the job hashed it
     through (passed under the same number), and refuses a planted file at one of its paths as the job's process
     does, naming it, with nothing written; without the planted file it installs every file."""
     from kernelpack import _fs
@@ -565,7 +565,7 @@ print("finished", flush=True)
 
 @pytest.mark.parametrize("sigint", ["default", "ignored"])
 def test_the_install_s_child_rolls_back_when_the_job_dies(smoke_artifact: Path, tmp_path: Path, sigint: str) -> None:
-    """Issue 36: the job (the child's parent) SIGKILLed while its child extracts: the child sees its stdin close,
+    """The job (the child's parent) SIGKILLed while its child extracts: the child sees its stdin close,
     stops and removes what it staged and linked. Nothing is left half-written: no file of the artifact, no staging
     directory, no marker; and the child does not outlive the job by more than a moment. The child is paused
     (SIGSTOP) while it holds staged files, so that the kill lands mid-install every time. ``ignored``: a job whose

@@ -139,7 +139,7 @@ def test_a_model_that_mixes_sliding_and_full_layers_gets_a_config_per_mask_and_l
 
 
 def test_recipe_for_writes_toml_no_config_value_can_break() -> None:
-    """Issue 34: recipe_for wrote TOML with f-strings: a model name with `"` wrote invalid TOML, with `"` and a
+    """recipe_for wrote TOML with f-strings: a model name with `"` wrote invalid TOML, with `"` and a
     newline it injected keys. It goes through the one TOML writer record uses, and is read back before it returns."""
     from kernelpack.errors import RecipeError
 
@@ -173,7 +173,7 @@ def _with_heads(family: families.Family, heads: dict) -> families.Family:
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("name", [f.name for f in families.FAMILIES if f.inputs == "plain" and "cpu" in f.devices])
 def test_recipe_for_declares_the_calls_each_family_makes(name: str, heads: str, tmp_path: Path) -> None:
-    """Issue 35 item 3: for each family (and other head counts), the recipe recipe_for writes from the config stands
+    """For each family (and other head counts), the recipe recipe_for writes from the config stands
     for the very calls the model makes, as kernelpack.recording writes them from a real forward: layouts by exact
     strides (one kv head, Phi-3's and GPT-NeoX's fused projections, repeat_kv's copies), masks per layer type,
     scale, softcap, by what each computes. No compile (recording skips the calls)."""
@@ -219,7 +219,7 @@ def test_docs_transformers_md_lists_the_families_the_tests_run() -> None:
 @pytest.mark.once
 @pytest.mark.slow
 def test_every_family_records_builds_and_replays_with_no_compile(tmp_path: Path) -> None:
-    """Issue 35 item 1 on CPU: `kernelpack record` of one forward of every family (tests/families.py: Llama,
+    """On CPU: `kernelpack record` of one forward of every family (tests/families.py: Llama,
     Mistral, Qwen2, Qwen3 with mixed layers, Gemma2's softcap, Gemma3's one kv head and head_dim 256, Phi-3's and
     GPT-NeoX's fused projections, packed sequences, a padded batch of 2), `kernelpack build` with no hand edit, then
     fresh processes, both tiers, that call activate() before importing the models' classes: every family's step
@@ -262,7 +262,7 @@ DYNAMIC_FAMILIES = ("gemma3", "phi3", "llama-packed", "llama-padded")
 @pytest.mark.once
 @pytest.mark.slow
 def test_families_recorded_at_one_length_with_lengths_are_served_at_another(tmp_path: Path) -> None:
-    """Issue 35 item 4: one recorded step with `kernelpack record --lengths 129:1024` yields an artifact for the job's
+    """One recorded step with `kernelpack record --lengths 129:1024` yields an artifact for the job's
     every length: replayed at a length never recorded (384), in a fresh process that activates before importing the
     models, each family compiles nothing, is never refused, and computes eager attention's logits (1e-5). A length
     past the range is refused naming the covered range and the fix."""

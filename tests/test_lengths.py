@@ -1,4 +1,4 @@
-"""Issue 17: one artifact serves every length a training job meets, as static buckets (the job pads to them) or as
+"""One artifact serves every length a training job meets, as static buckets (the job pads to them) or as
 one dynamic graph (any length in the range, in a fresh process)."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def test_a_dynamic_graph_traced_at_one_length_covers_the_range_in_a_fresh_proces
     (c,) = data["configs"]
     assert len(c["lengths"]) >= 20 and sum(n % 128 != 0 for n, _ in c["lengths"]) >= 18, c["lengths"]
     assert c["reasons"] == [] and c["counters"]["frames.ok"] == 1, c
-    # issue 18: its precompiled function (traced at the middle, dynamic) served every one of those lengths too
+    # its precompiled function (traced at the middle, dynamic) served every one of those lengths too
     assert [t["tier"] for t in c["tiers"].values()] == ["precompiled"], c["tiers"]
     assert c["counters"]["inductor.fxgraph_cache_miss"] == 0 and c["counters"]["aot_autograd.autograd_cache_miss"] == 0
     manifest = read_manifest(built["dynamic"])
@@ -182,7 +182,7 @@ def test_random_real_lengths_are_served_with_no_fx_miss(kind: str, built: dict[s
     assert out["fx_misses"] == 0 and out["missed"] == 0 and out["compiles"] == 0, out
     assert out["max_error"] < 1e-4, out
     assert "no bucket or range that holds" in out["refused_length"], out
-    assert {s["tier"] for s in out["served"]} == {"precompiled"}, out["served"]  # issue 18, buckets and range alike
+    assert {s["tier"] for s in out["served"]} == {"precompiled"}, out["served"]  # buckets and range alike
     if kind == "dynamic":
         assert out["padded_to"] == out["lengths"], out
         (served,) = out["served"]

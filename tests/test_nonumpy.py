@@ -1,4 +1,4 @@
-"""Without numpy, torch's import warns "Failed to initialize NumPy"; the CLI must not show it (issue 19). numpy is
+"""Without numpy, torch's import warns "Failed to initialize NumPy"; the CLI must not show it. numpy is
 made unimportable in a subprocess, as on a machine where it is not installed (it is not a kernelpack dependency)."""
 
 from __future__ import annotations

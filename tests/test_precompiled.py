@@ -1,4 +1,4 @@
-"""Issue 18 (work in progress): tier 2's mechanism on CPU torch: aot_compile of the canonical forward, its bytes,
+"""Tier 2's mechanism on CPU torch: aot_compile of the canonical forward, its bytes,
 loaded again in a fresh process with the tier-1 cache, bitwise equal and with no Dynamo frame."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     subprocess.run(save, env={**os.environ, **env}, check=True, timeout=600)
     out = run("load")
     assert out["equal"] and out["frames"] == 0, out
-    # issue 20: torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
+    # torchrun's workers run with OMP_NUM_THREADS=1, a builder with its core count. A CUDA function follows
     # the job's thread count (its kernels do not depend on it); a CPU one keeps torch's guard on it
     out = run("threads")
     assert not out["kept"] and "num_threads" in out["why"], out
@@ -391,7 +391,7 @@ def test_a_built_function_is_named_by_the_hash_of_its_bytes(smoke_artifact: Path
 def test_a_rebuilt_artifact_in_a_shared_cache_dir_runs_its_own_mask_not_the_previous_builds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 34: a recipe whose mask factory changed, rebuilt and installed into the cache dir the first build was
+    """A recipe whose mask factory changed, rebuilt and installed into the cache dir the first build was
     installed into (torch's default cache dir is one per user). The config id is the same (it names the factory,
     not its code); its precompiled function is named by its content, so it is installed beside the old one instead
     of being kept out by it, and the job computes the new mask. Against the old naming the job got the old mask
@@ -469,7 +469,7 @@ print(json.dumps({
 def test_lazily_loaded_functions_load_at_their_first_call_in_any_thread_and_are_hashed_first(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:
-    """KERNELPACK_LOAD=lazy (issue 36): activate() loads one of the two configs' functions; the other loads at its
+    """KERNELPACK_LOAD=lazy: activate() loads one of the two configs' functions; the other loads at its
     first call, made by 3 threads at once: each call served by tier 2 with eager flex's outputs, one load, no Dynamo
     frame. A function swapped in the cache after activate() and before its first call is refused at that call,
     naming its sha256 (the pinned install's guarantee holds for lazy loads): never unpickled, never a compile."""

@@ -1,4 +1,4 @@
-"""`kernelpack push` to a local path (issue 19): a mistyped path must not silently become a new registry. The
+"""`kernelpack push` to a local path: a mistyped path must not silently become a new registry. The
 committed fixture tests/data/tiny-cpu.kpack is pushed (push needs no torch, nothing compiles)."""
 
 from __future__ import annotations

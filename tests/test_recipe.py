@@ -279,7 +279,7 @@ def test_cli_recipe_typo_says_did_you_mean(tmp_path: Path, capsys: pytest.Captur
 def test_a_recipe_is_bounded_before_its_configs_are_made(tmp_path: Path) -> None:
     import time
 
-    # axes of 20 values each: 20**6 = 64 million configs from a recipe of a few hundred bytes (issue 34: the parser
+    # axes of 20 values each: 20**6 = 64 million configs from a recipe of a few hundred bytes (the parser
     # was still at it after 60 s under 3 GiB)
     many = list(range(1, 21))
     start = time.perf_counter()

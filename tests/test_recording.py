@@ -1,4 +1,4 @@
-"""kernelpack record (issue 15): functions by reference, the [[calls]] recipe form, the recorder's stand-in, and the
+"""kernelpack record: functions by reference, the [[calls]] recipe form, the recorder's stand-in, and the
 proof: a user's own job recorded from its script, built, and replayed in a fresh process with 0 misses."""
 
 from __future__ import annotations
@@ -444,7 +444,7 @@ def test_text_from_the_job_cannot_break_the_recipe() -> None:
 
 def test_a_recorded_string_that_is_not_utf8_is_a_record_error() -> None:
     # os.fsdecode's escape for a non-UTF-8 byte (a file name) in a closure value: TOML has no string for it, and
-    # the recipe's own parse raised TOMLDecodeError (issue 34)
+    # the recipe's own parse raised TOMLDecodeError
     closure = json.dumps({"closure": {"tag": "data\udcffset"}})
     event = _event(mask="mypkg.masks:by_tag", mask_closure=closure, window=None)
     with pytest.raises(RecordError, match="holds the byte 0xff, which is not UTF-8"):
@@ -453,7 +453,7 @@ def test_a_recorded_string_that_is_not_utf8_is_a_record_error() -> None:
 
 def test_record_dir_set_outside_record_is_refused_by_activate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # activate() installs and refuses nothing while a job is recorded: a variable left set outside record made it a
-    # silent no-op, the dense path included (issue 34)
+    # silent no-op, the dense path included
     from kernelpack.errors import SettingError
     from kernelpack.runtime import activate
 
@@ -510,7 +510,7 @@ def test_a_closure_value_of_the_wrong_type_is_refused_before_any_worker_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # a closure value its function cannot use failed in every build worker, or at activate(), with the function's
-    # own TypeError (issue 34): the builder calls each reference once first, as flex does
+    # own TypeError: the builder calls each reference once first, as flex does
     recipe = tmp_path / "bad.toml"
     recipe.write_text('name = "bad"\ndevice = "cpu"\n' + CALL.replace("window = 64", 'window = "64"'))
     start = time.perf_counter()

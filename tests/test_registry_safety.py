@@ -1,4 +1,4 @@
-"""Reliability round 2 (issue 16): a pinned install that is really pinned, registries and artifacts that cannot make
+"""Reliability round 2: a pinned install that is really pinned, registries and artifacts that cannot make
 kernelpack write outside its target, bounded parsing and downloads, staging that survives PID namespaces, an index
 that concurrent pushers cannot lose. Each test is one class of the review's attacks on ecc4142."""
 
@@ -554,7 +554,7 @@ def test_a_pinned_install_checks_and_installs_one_private_copy(smoke_artifact: P
 
 
 def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: Path) -> None:
-    """Issue 34: a file planted at one of a pinned artifact's (predictable) paths before the install fails it,
+    """A file planted at one of a pinned artifact's (predictable) paths before the install fails it,
     naming the file, with nothing installed (an unpinned install keeps such a file, as it always did); after a good
     pinned install, a same-size swap of an installed file is seen by the next pinned install (sha256, not size),
     which fails instead of counting as done."""
@@ -589,7 +589,7 @@ def test_a_pinned_install_owns_what_it_installs(smoke_artifact: Path, tmp_path: 
 def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_failure(
     smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 36: activate()'s default start installs in its own thread. A pinned artifact (registry + lock) whose
+    """activate()'s default start installs in its own thread. A pinned artifact (registry + lock) whose
     install meets a planted file at one of its paths: activate() returns (it read the manifest and checked the build
     key), the install fails in the thread with nothing of the artifact written, the first guarded call raises the
     install's error naming the file, and report() says why the start failed."""
@@ -631,7 +631,7 @@ def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_
 def test_outputs_are_renamed_only_over_regular_files(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # as root in a CI container, `kernelpack lock ... -o /dev/null` replaced the system's /dev/null (issue 34): a
+    # as root in a CI container, `kernelpack lock ... -o /dev/null` replaced the system's /dev/null: a
     # FIFO and a symlink stand in for it here
     reg = tmp_path / "reg"
     assert main(["push", str(smoke_artifact), str(reg)]) == 0
@@ -658,7 +658,7 @@ def test_outputs_are_renamed_only_over_regular_files(
 
 
 def test_user_named_files_that_are_not_files_are_refused_without_blocking(smoke_artifact: Path, tmp_path: Path) -> None:
-    # a FIFO blocked the open forever, a device was read without end (issue 34): each command names what it got
+    # a FIFO blocked the open forever, a device was read without end: each command names what it got
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     reg = tmp_path / "reg"
@@ -688,7 +688,7 @@ def test_user_named_files_that_are_not_files_are_refused_without_blocking(smoke_
 def test_push_checks_every_member_before_it_publishes(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # a truncated .kpack was published with exit 0 and pinned by `lock`; every job's install then failed (issue 34)
+    # a truncated .kpack was published with exit 0 and pinned by `lock`; every job's install then failed
     data = smoke_artifact.read_bytes()
     reg = tmp_path / "reg"
     for cut, what in ((len(data) // 2, "truncated"), (len(data) - 2, "truncated"), (len(data) - 1000, "")):
@@ -711,7 +711,7 @@ def test_one_artifact_per_build_key_whatever_its_file_name(
     smoke_artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # a different artifact for one build key under a new file name bypassed --force; `ls` listed two entries for
-    # one key and `lock` pinned one of them silently (issue 34)
+    # one key and `lock` pinned one of them silently
     reg = tmp_path / "reg"
     recipe = art.read_manifest(smoke_artifact).recipe_name
     assert main(["push", str(smoke_artifact), str(reg)]) == 0
@@ -744,7 +744,7 @@ def test_one_artifact_per_build_key_whatever_its_file_name(
 def test_re_running_ci_publishes_a_rebuild_without_force(
     smoke_artifact: Path, smoke_shards: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Issue 34: two builds of one recipe on one torch differ in bytes (compile timings in torch's cache entries and
+    """Two builds of one recipe on one torch differ in bytes (compile timings in torch's cache entries and
     the manifest, the C++ kernels' .so files), so re-running CI's publish step was refused without --force. A
     rebuild (same inputs: recipe, build key, configs, kernelpack) keeps the published artifact and its pins. The
     rebuild here is CI's: the recipe built again in 2 shards and merged, the shards in reverse order (a merge names
@@ -773,7 +773,7 @@ def test_re_running_ci_publishes_a_rebuild_without_force(
 
 
 def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_artifact: Path, tmp_path: Path) -> None:
-    """Issue 34: the largest manifest the bounds allow (10,000 configs on 20 GPUs: 200,000 signatures) took
+    """The largest manifest the bounds allow (10,000 configs on 20 GPUs: 200,000 signatures) took
     seconds and hundreds of MiB to read, because the coverage index was built on every read; it is made on first
     use now (inspect, push and ls never use it): 0.85 s here, 5.3 s before. The bar: under 200 MiB."""
     from kernelpack.config import Config

@@ -400,7 +400,7 @@ def test_read_only_target_is_a_clear_error(smoke_artifact: Path, tmp_path: Path)
     assert "error: " in proc.stderr and "Traceback" not in proc.stderr
     assert "is not writable by this process: torch writes its locks" in proc.stderr, proc.stderr
     assert tree_digest(target) == before
-    # the artifact already there (issue 34): "already installed" and then torch's InductorError at the first load
+    # the artifact already there: "already installed" and then torch's InductorError at the first load
     # ("Read-only file system: '<cache>/locks'") became one refusal up front
     subprocess.run([sys.executable, "-m", "kernelpack.cli", "install", str(smoke_artifact), "--cache-dir",
                     str(target)], check=True, capture_output=True)  # fmt: skip

@@ -148,7 +148,7 @@ def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact
     """activate() returns before its warm-up has made a call, and the threads' calls wait for it. It checks the
     manifest and the build key in the foreground and leaves the install's files (in a thread of their own) and
     Dynamo's and inductor's imports (2.8 s of a 2-config activate() on torch 2.15.0) to the start's thread, while
-    the main thread imports inductor's internals too (issue 36)."""
+    the main thread imports inductor's internals too."""
     out = scenario("background", smoke_artifact, tmp_path)
     assert out["errors"] == [] and out["compiled"] == 0
     assert out["done_at_return"] is False and out["install"], out
@@ -569,7 +569,7 @@ def test_per_compile_records_see_bypasses_ignore_foreign_kernels_and_survive_dyn
 
 
 def test_a_transformers_model_with_attn_implementation_kernelpack_compiles_nothing(tmp_path: Path) -> None:
-    """Issue 14 on CPU: the recipe written from a tiny Mistral config (sliding window, GQA 4/2), built, then the model
+    """On CPU: the recipe written from a tiny Mistral config (sliding window, GQA 4/2), built, then the model
     with attn_implementation="kernelpack" in a fresh process after activate(): its forward compiles nothing (the mask
     is built without torch.compile); its logits equal transformers' own flex_attention and SDPA."""
     pytest.importorskip("transformers")
@@ -637,7 +637,7 @@ print(json.dumps({**child, "parent_done": activation.warmup.error is None}))
 def test_a_child_forked_during_a_background_warm_up_fails_at_once_saying_why(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:
-    """Issue 34: a fork during a background warm-up left the child waiting 900 s for a thread it does not have."""
+    """A fork during a background warm-up left the child waiting 900 s for a thread it does not have."""
     out = run_json(
         [sys.executable, "-c", FORK_DURING_WARMUP, str(smoke_artifact)],
         env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"), "KERNELPACK_WARMUP_WAIT_SECONDS": "60"},
@@ -647,7 +647,7 @@ def test_a_child_forked_during_a_background_warm_up_fails_at_once_saying_why(
 
 
 def test_a_warmed_call_that_fails_a_tensor_guard_is_told_its_layout_not_its_mask() -> None:
-    """Issue 35 item 2: Gemma3's refusal blamed the mask while Dynamo said stride. The hint follows the guard Dynamo
+    """Gemma3's refusal blamed the mask while Dynamo said stride. The hint follows the guard Dynamo
     names, here a real one: a function compiled on k as transformers passes it with one kv head (the transposed
     view: contiguous but for the size-1 head dim's stride), then called with a contiguous k; the hint names the
     argument and its layout. A BlockMask table's guard gets the BlockMask's hint, the mask's code its own."""

@@ -21,7 +21,7 @@ from kernelpack.errors import SettingError
         ("KERNELPACK_LOCK_TIMEOUT", "-1", settings.lock_timeout),
         ("KERNELPACK_LOCK_TIMEOUT", "nan", settings.lock_timeout),
         ("KERNELPACK_FX_WAIT_SECONDS", "5m", settings.fx_wait_seconds),
-        # a wait of inf seconds made every guarded call raise OverflowError from threading (issue 34)
+        # a wait of inf seconds made every guarded call raise OverflowError from threading
         ("KERNELPACK_WARMUP_WAIT_SECONDS", "inf", settings.warmup_wait_seconds),
         ("KERNELPACK_BACKWARD_WAIT_SECONDS", "1e400", settings.backward_wait_seconds),
         ("KERNELPACK_INSTALL_LOCK", "no", settings.install_lock),

@@ -1,4 +1,4 @@
-"""Issue 36: a job's start grows with what it calls, not with what the artifact ships. activate() of a 16-bucket
+"""A job's start grows with what it calls, not with what the artifact ships. activate() of a 16-bucket
 artifact costs what a 2-bucket one of the same call costs, from the activate() line to the end of its background
 start: one precompiled function is loaded and called in the warm-up (what every load imports is paid there), the
 others load at their signature's first call."""

@@ -303,7 +303,7 @@ print(json.dumps({"no_artifact": inductor.torch_key(), "against_an_artifact": in
 
 
 def test_torch_key_is_read_as_inductor_computes_it_without_importing_inductor() -> None:
-    """Issue 36: activate() checks the artifact's torch_key before Dynamo and inductor are imported (1.5-5 s of a
+    """activate() checks the artifact's torch_key before Dynamo and inductor are imported (1.5-5 s of a
     job's start); kernelpack's reading must be inductor's on every torch version, or every artifact is refused."""
     first = run_json([sys.executable, "-c", TORCH_KEY, "00" * 32])  # differs: inductor's own is read
     out = run_json([sys.executable, "-c", TORCH_KEY, first["torch"]])

@@ -130,7 +130,7 @@ def sigint_delivered() -> Iterator[None]:
 @pytest.mark.usefixtures("sigint_delivered")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_build_stops_everything_it_started_at_once_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
-    """Issue 34: ^C on a --jobs 1 build printed `aborted` after the remaining configs compiled; SIGTERM killed the
+    """^C on a --jobs 1 build printed `aborted` after the remaining configs compiled; SIGTERM killed the
     main process and left its worker compiling and its work dir. Now: the workers (and what they started) are gone
     within seconds of any signal, SIGKILL included, and the work dir with them (SIGKILL: nothing can clean up)."""
     from conftest import SMOKE
@@ -178,7 +178,7 @@ time.sleep(600)
 @pytest.mark.usefixtures("sigint_delivered")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: signal.Signals) -> None:
-    """Issue 34: SIGTERM to `kernelpack record` left the recorded command running and record's temp dir."""
+    """SIGTERM to `kernelpack record` left the recorded command running and record's temp dir."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     (tmp_path / "job.py").write_text(JOB)
@@ -205,7 +205,7 @@ def test_record_stops_the_command_it_runs_on_every_signal(tmp_path: Path, sig: s
 def test_workers_import_nothing_from_the_working_directory_before_the_installed_packages(
     smoke_artifact: Path, tmp_path: Path
 ) -> None:
-    """Issue 34: `kernelpack verify`'s worker imported a zstandard.py from the directory it ran in. The workers'
+    """`kernelpack verify`'s worker imported a zstandard.py from the directory it ran in. The workers'
     sys.path ends with the working directory (for the user's mask factories) instead of starting with it."""
     planted = tmp_path / "zstandard.py"
     planted.write_text(f"open({str(tmp_path / 'imported')!r}, 'w').write('yes')\nraise ImportError('planted')\n")

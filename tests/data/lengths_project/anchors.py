@@ -1,4 +1,4 @@
-"""A DFlash-style drafter's mask, as its code makes it (issue 17's test): each draft block of 16 queries sees the
+"""A DFlash-style drafter's mask, as its code makes it: each draft block of 16 queries sees the
 context up to its anchor and its own block. The anchors are a tensor of one entry per block, so its length follows
 the batch's length: a recipe serves it over a range through the factory below."""
 

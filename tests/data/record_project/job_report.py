@@ -43,7 +43,7 @@ def print_report(
             warmup_seconds=d["warmup_seconds"],
             install_seconds=getattr(activation.install, "seconds", None),
             warm_calls=[(c["tier"], round(c["seconds"], 2)) for c in d["first_calls"] if c["warmup"]],
-            # the job's own first calls: each a precompiled function's lazy load and first run (issue 36: <= 0.05 s)
+            # the job's own first calls: each a precompiled function's lazy load and first run (target: <= 0.05 s)
             later_first_calls=[round(c["seconds"], 4) for c in d["first_calls"] if not c["warmup"]],
             install_phases={k: round(v, 3) for k, v in getattr(activation.install, "timings", {}).items()},
             start_error=d["start_error"],
