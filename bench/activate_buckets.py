@@ -1,4 +1,4 @@
-"""activate() of artifacts of one call with different bucket counts, in alternated fresh processes (issue 36).
+"""activate() of artifacts of one call with different bucket counts, in alternated fresh processes.
 
     python bench/activate_buckets.py A.kpack B.kpack [--runs 3]   # KERNELPACK_LOAD=lazy|eager from the environment
 
@@ -24,7 +24,7 @@ with tempfile.TemporaryDirectory() as cache:
     t = time.perf_counter()
     a = runtime.activate(sys.argv[1], cache_dir=cache)
     returned = time.perf_counter() - t
-    a.wait()  # the background start (the default since issue 36): install, imports, warm-up
+    a.wait()  # the background start: install, imports, warm-up
     s = time.perf_counter() - t
     print(json.dumps({"artifact": sys.argv[1], "activate_s": s, "returned_s": returned, "install_s": a.install.seconds,
                       "warmup_s": a.warmup.seconds, "loaded": len(a.warmup.precompiled), "lazy": len(a.warmup.lazy)}))

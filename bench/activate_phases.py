@@ -1,4 +1,4 @@
-"""Where ``activate()``'s seconds go in one process that drives every GPU (the seeds' layout, ``--devices`` artifact).
+"""Where ``activate()``'s seconds go in one process that drives every GPU (``--devices`` artifact, a thread per GPU).
 
 Each sample is a fresh process. ``--prepared`` first pays, outside activate(), what a job that built its model and
 block masks has paid already: Dynamo's and inductor's imports (``create_block_mask`` imports them), then the CUDA

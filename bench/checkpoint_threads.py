@@ -1,4 +1,4 @@
-"""Threads x gradient checkpointing after ``activate()``: the seeds' drafter setting (issue 12's proof).
+"""Threads x gradient checkpointing after ``activate()``: a drafter job's setting.
 
 Each run is a fresh process (``--child``) bounded by ``--timeout`` seconds; the parent runs ``--runs`` of each mode
 in a row and writes one JSON with every run and the medians:
@@ -66,7 +66,7 @@ def child(
     configs = [c.config for c in read_manifest(artifact).configs if c.config.backward]
     gpus = torch.cuda.device_count() if spread else 1
 
-    def device_of(i: int) -> str:  # --spread: thread i on cuda:i (the seeds' drafters, one GPU each)
+    def device_of(i: int) -> str:  # --spread: thread i on cuda:i (one drafter per GPU)
         return f"cuda:{i % gpus}"
 
     def here() -> str:

@@ -1,4 +1,4 @@
-"""Inductor's CPU flex template and a mask closing over ints a dynamic graph keeps symbolic (issue 33).
+"""Inductor's CPU flex template and a mask closing over ints a dynamic graph keeps symbolic.
 
 ``python bench/cpu_flex_split_names.py [--fix]``: compiles ``torch.compile(flex_attention, dynamic=True)`` on the CPU
 for two masks at three context lengths each and prints one JSON line per (mask, length): whether it compiled, how

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Issue 33 on the H200: the DFlash-shaped drafter job (tests/data/record_project/drafter_job.py) at real size, three
+# The DFlash-shaped drafter job (tests/data/record_project/drafter_job.py) at real size, three
 # drafter threads on one GPU, reentrant checkpointing, a random context length S in [1024, 4096] every step (not
 # rounded), 20 steps. Writes JSON lines and logs under $OUT.
 #   bash bench/dflash_h200.sh a   # record (no option), build --jobs 8, kernelpack x3, cold x1 (saves a mega-cache)
 #   bash bench/dflash_h200.sh b   # cold x2 more, native warm x3 (the cold runs' cache dirs), mega-cache x3
-#   bash bench/dflash_h200.sh e   # issue 36, the background start as the default: record, build, cold x1, then
+#   bash bench/dflash_h200.sh e   # the background start as the default: record, build, cold x1, then
 #                                 # kernelpack, kernelpack --foreground and native warm alternated, RUNS (3) each
-#   bash bench/dflash_h200.sh f   # issue 33's four arms side by side, then the floor: record, build, cold x1 (saves a
+#   bash bench/dflash_h200.sh f   # the DFlash job's four arms side by side, then the floor: record, build, cold x1 (saves a
 #                                 # mega-cache), then alternated RUNS (3) of kernelpack, native warm, mega-cache and
 #                                 # sdpa (the job with nothing compiled: its own floor), STEPS (40) steps each; then
 #                                 # bench/start_floor.py (torch's import and load floors, each alone)
 #   bash bench/dflash_h200.sh t   # the steady step by tier: kernelpack (tier 2), kernelpack tier 1, native warm
-#   bash bench/dflash_h200.sh d   # issue 36: record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
+#   bash bench/dflash_h200.sh d   # record, build, kernelpack x3 with KERNELPACK_LOAD=lazy and x2 as
 #                                 # the default (eager), cold x1, native warm x2 (its cache dir): one run
 # Each arm runs in fresh processes; the clock starts where the job would call activate() (kernelpack) and stops
 # when every thread's first step is done (drafter_job.py's first_step_seconds).
@@ -67,7 +67,7 @@ if [[ ${1:-a} == d ]]; then
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
   for r in 1 2; do TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch; done
 fi
-# floor: issue 36's start, phase by phase (bench/start_floor.py), on the artifact that record + build write; then
+# floor: the job's start, phase by phase (bench/start_floor.py), on the artifact that record + build write; then
 # the GPU tests that the lazy default re-expressed (TESTS, a pytest -k expression)
 if [[ ${1:-a} == floor ]]; then
   record_build
@@ -79,7 +79,7 @@ if [[ ${1:-a} == floor ]]; then
     timeout 300 python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
   fi
 fi
-# bg: issue 36's background start against the default and native warm, with bytecode as a pip install has it:
+# bg: the background start against the default and native warm, with bytecode as a pip install has it:
 # record, build, then alternated fresh processes: kernelpack with activate(warmup="background") (--background),
 # kernelpack as the default, native warm (after one cold run fills its cache); then start_floor.py, and the GPU tests
 # TESTS names
@@ -97,7 +97,7 @@ if [[ ${1:-a} == bg ]]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
   fi
 fi
-# e: issue 36 with the background start as activate()'s default: record, build, cold x1, then alternated fresh
+# e: the job's start with the background start as activate()'s default: record, build, cold x1, then alternated fresh
 # processes: kernelpack as shipped (activate()), kernelpack with activate(warmup=True) (--foreground), native warm
 # (the cold run's cache dir); RUNS of each (3), NO_FG=1 without the --foreground arm, THREAD_ARM=1 with a
 # KERNELPACK_INSTALL_PROCESS=0 arm; then the GPU tests TESTS names
@@ -116,7 +116,7 @@ if [[ ${1:-a} == e ]]; then
     timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -x tests/test_gpu.py -k "$TESTS" -p no:cacheprovider 2>&1 | tail -15
   fi
 fi
-# f: issue 33's targets with the final code: cold, native warm, mega-cache and kernelpack side by side, and the job's
+# f: the DFlash job's targets with the final code: cold, native warm, mega-cache and kernelpack side by side, and the job's
 # own floor (sdpa: the same job with nothing to compile or load), STEPS steps each for the steady step
 if [[ ${1:-a} == f ]]; then
   record_build

@@ -1,4 +1,4 @@
-"""Issue 33: how fast one DFlash-shaped flex call runs (fwd+bwd, q_len 8192, kv_len S + 8192, 32/8 heads, D=128,
+"""How fast one DFlash-shaped flex call runs (fwd+bwd, q_len 8192, kv_len S + 8192, 32/8 heads, D=128,
 bf16, H200) under each way of compiling it, after it is compiled: ``python bench/dflash_kernels.py MODE``.
 
 - ``dynamic``: torch.compile(flex_attention, dynamic=True) under kernelpack's trace settings (what kernelpack built

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 36 diagnostics on the H200: bytecode caching of this image, the checkpoint-threads child's error, and a
+# Job-start diagnostics on the H200: bytecode caching of this image, the checkpoint-threads child's error, and a
 # profile of the first precompiled load. Writes under $OUT.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"

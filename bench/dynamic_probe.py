@@ -1,4 +1,4 @@
-"""Which dynamic-shape flex graphs a fresh process can reuse (issue 17): one process per invocation, calling
+"""Which dynamic-shape flex graphs a fresh process can reuse: one process per invocation, calling
 torch.compile(flex_attention, dynamic=...) fwd+bwd at each of --lens in turn and printing, per length, what compiled
 (Dynamo frames, FX-graph and AOTAutograd cache hits and misses), the first call's seconds and the steady-state
 median. --no-duck turns off duck sizing (torch.fx.experimental._config.use_duck_shape) for the trace, as kernelpack

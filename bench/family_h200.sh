@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 35 on the H200: a transformers family through record -> build -> replay (bench/tf_train_step.py, a training
+# A transformers family through record -> build -> replay (bench/tf_train_step.py, a training
 # step with reentrant checkpointing at each length), the replay in fresh processes after activate().
 #   FAMILY=gemma3 LENGTHS=2048,4096 bash bench/family_h200.sh
 # REPLAY_FLAGS (e.g. --import-after: the model classes imported after activate()) go to the replays only.
 # BUCKETS=512 FAMILY=mistral: the recipe is bench/varlen_train.py's buckets of 512 over 1024..16384 (31 configs, fwd
-# and fwd+bwd: 62 signatures), not a recording (issue 36's 31-bucket artifact). RUNS (3) fresh processes per arm,
+# and fwd+bwd: 62 signatures), not a recording. RUNS (3) fresh processes per arm,
 # COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm.
 set -uo pipefail
 source bench/device_env.sh
@@ -12,7 +12,7 @@ FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
 D=/tmp/fam; rm -rf $D; mkdir -p $D
 JOB="python3 bench/tf_train_step.py --family $FAMILY --lengths $LENGTHS"
 s=$(date +%s)
-if [[ -n ${BUCKETS:-} ]]; then  # issue 36's (b): not recorded, the bucketed recipe of bench/varlen_train.py (Mistral)
+if [[ -n ${BUCKETS:-} ]]; then  # the start targets' (b): not recorded, the bucketed recipe of bench/varlen_train.py (Mistral)
   python3 bench/varlen_train.py --write-recipe $D/r.toml --multiple $BUCKETS --graphs fwd,fwd+bwd > "$OUT/record.log" 2>&1
   echo "recipe (buckets of $BUCKETS) exit $?"
 else
@@ -58,7 +58,7 @@ for arm, runs in arms.items():
     total = statistics.median(r["activate_s"] + sum(r["step_s"]) for r in runs)
     print(json.dumps({"arm": arm, "runs": len(runs), "median_activate_plus_steps_s": round(total, 2),
                       "median_activate_s": round(statistics.median(r["activate_s"] for r in runs), 2),
-                      # issue 36's clock: the activate() line to the end of the first step, model built inside
+                      # the start's clock: the activate() line to the end of the first step, model built inside
                       "median_start_to_first_step_s": round(statistics.median(r["start_to_first_step_s"] for r in runs), 2),
                       "later_first_calls_max_s": max((max(r.get("later_first_calls_s") or [0]) for r in runs), default=0),
                       "install_phases": [r.get("install_phases") for r in runs][:1],

@@ -30,7 +30,7 @@ collect() {
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f $dir/$marker ]] && break; sleep 5; done
   cp "$dir"/* "$OUT/" 2>/dev/null; for log in "$@"; do tail -40 "$OUT/$log"; done
 }
-# Issue 17: which dynamic flex graphs a fresh process reuses, with and without duck sizing; static for the ratio.
+# Which dynamic flex graphs a fresh process reuses, with and without duck sizing; static for the ratio.
 if [[ $what == dyn-probe ]]; then
   P="python3 bench/dynamic_probe.py"
   rm -rf /tmp/dp-noduck /tmp/dp-duck /tmp/dp-static
@@ -41,7 +41,7 @@ if [[ $what == dyn-probe ]]; then
   TORCHINDUCTOR_CACHE_DIR=/tmp/dp-duck $P --lens 6144 | tee "$OUT/probe-duck-B.jsonl"
   TORCHINDUCTOR_CACHE_DIR=/tmp/dp-static $P --static --lens 6144,12288 | tee "$OUT/probe-static.jsonl"
 fi
-# Issue 17: a 50-step training loop at random lengths in [1024, 16384] (bench/varlen_train.py): buckets of
+# A 50-step training loop at random lengths in [1024, 16384] (bench/varlen_train.py): buckets of
 # ${VL_MULTIPLE:-512} vs one dynamic graph vs cold; build time and size of each; the three-thread checkpointing proof at
 # random lengths. Detached (over 10 minutes in all); varlen-collect waits for it and copies the results.
 if [[ $what == varlen-bg ]]; then
@@ -78,7 +78,7 @@ if [[ $what == varlen-ckpt ]]; then  # the checkpointing proof alone: dynamic re
   python3 bench/checkpoint_threads.py --artifact /tmp/vlc/*.kpack --block tf --threads 3 --timeout 100 \
     --modes ${CKPT_MODES:-reentrant,nonreentrant} --runs 1 --random-steps 4 --out "$OUT/ckpt-dynamic.json" 2>&1 | tail -4
 fi
-# Issue 17's remaining H200 proof, detached (over 10 minutes): the cold arm alone on an idle GPU (stopped by
+# The varying-lengths H200 proof's rest, detached (over 10 minutes): the cold arm alone on an idle GPU (stopped by
 # `timeout`; varlen_train.py still prints what it ran), the three-thread checkpointing proof with a bucketed artifact
 # (lengths 1024..4096, buckets of 512), then the GPU test suite. varlen-finish-collect tars the results.
 if [[ $what == varlen-finish-bg ]]; then
@@ -111,7 +111,7 @@ if [[ $what == varlen-collect ]]; then  # every small file of the run, in one ta
   tar czf "$OUT/varlen.tgz" -C /tmp/vl --exclude='*.kpack' --exclude=cold-cache .
   tail -5 /tmp/vl/ckpt.log /tmp/vl/driver.log; tail -c 600 /tmp/vl/varlen.err
 fi
-# Issue 18: build time with both tiers (median of 3 builds of RECIPE, --jobs 6), then time-to-first-step side by side:
+# Build time with both tiers (median of 3 builds of RECIPE, --jobs 6), then time-to-first-step side by side:
 # cold, native warm, mega-cache, tier 1 (install only), activate() with tier 1 only, activate() with tier 2.
 # Detached (over 10 minutes); tiers-collect waits for it.
 if [[ $what == tiers-bg ]]; then
@@ -135,7 +135,7 @@ if [[ $what == tiers-collect ]]; then
   tar czf "$OUT/tiers.tgz" -C /tmp/t18 --exclude='*.kpack' .
   cat /tmp/t18/builds.txt; tail -20 /tmp/t18/tiers.log
 fi
-# Issue 18 in the foreground, most important first (a call cut short by its limit keeps what it wrote under $OUT):
+# The tiers' proof in the foreground, most important first (a call cut short by its limit keeps what it wrote under $OUT):
 # build 1 (timed), verify, warm_start --tiers (cold once, the rest TIERS_REPEATS times), then builds 2 and 3 (timed).
 if [[ $what == tiers-fg ]]; then
   rm -rf /tmp/t18; mkdir -p /tmp/t18
@@ -151,7 +151,7 @@ if [[ $what == tiers-fg ]]; then
     --out "$OUT/tiers.json" 2>&1 | tee "$OUT/tiers.log"
   build 2; build 3
 fi
-# Issue 18, all of its H200 proof in one detached run (about 25 minutes; i18-collect waits for it, tars the results):
+# The tiers' whole H200 proof in one detached run (about 25 minutes; i18-collect waits for it, tars the results):
 # 3 timed builds with --jobs 6 (pinned to 16 cores, the one-GPU H200's count, where taskset exists), the tiers
 # benchmark (skipped with SKIP_TIERS=1), the GPU tests new since the last device run (NEW_TESTS), the transformers model
 # side by side (cold once, then warm, mega, kernelpack = tier 2, tier1, background = tier 2 loading while the model is
@@ -186,7 +186,7 @@ if [[ $what == i18-bg ]]; then
     python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "not ('"$NEW"')" \
       '"${PYTEST_RESTARGS:-}"' > /tmp/t18/pytest-gpu.log 2>&1
     touch /tmp/t18/done' > /tmp/t18/driver.log 2>&1 < /dev/null &
-  echo "issue 18 run started in the background"
+  echo "tiers run started in the background"
   for _ in $(seq 1 ${COLLECT_POLLS:-110}); do [[ -f /tmp/t18/tiers-done ]] && break; sleep 5; done
   cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log 2>/dev/null
 fi
@@ -198,12 +198,12 @@ if [[ $what == i18-collect ]]; then
   cat /tmp/t18/builds.txt; tail -25 /tmp/t18/tiers.log; tail -15 /tmp/t18/transformers_step.log
   grep -hE "PASSED|FAILED|ERROR|passed|failed" /tmp/t18/pytest-new.log /tmp/t18/pytest-gpu.log | tail -24
 fi
-# Issue 20, every run on 2+ GPUs in one detached run (about 20 minutes on 2 H200s; i20-collect waits for a marker and
+# Every run on 2+ GPUs in one detached run (about 20 minutes on 2 H200s; i20-collect waits for a marker and
 # tars the results). KP_COMMIT names the commit in the JSON (the device's .git need not be it).
 # (1) bench/torchrun_first_step.py on the single-GPU dflash artifact, 3 rounds of cold, warm, pinned (tier 2), one
 # of unpinned-strict; (2) bench/torchrun_train.py, the transformers model under torchrun: 3 rounds of pinned, one of
 # cold, warm, unpinned-strict; (3) the same model at a random length per rank and step, on a bucketed and on a
-# dynamic artifact; (4) the seeds' layout: one process, a thread per GPU, on a --devices artifact: threads_first_step
+# dynamic artifact; (4) a drafter job's layout: one process, a thread per GPU, on a --devices artifact: threads_first_step
 # (raw vs kernelpack) and checkpoint_threads --spread (reentrant and non-reentrant checkpointing); then the multi-GPU
 # tests. Markers: dflash-done, tf-done, varlen-done, spread-done, done.
 if [[ $what == i20-bg ]]; then
@@ -246,10 +246,10 @@ if [[ $what == i20-bg ]]; then
     python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=0 -k "tier_2 or multi_device or torchrun" \
       > /tmp/t20/pytest-multi.log 2>&1
     touch /tmp/t20/done' > /tmp/t20/driver.log 2>&1 < /dev/null &
-  echo "issue 20 run started in the background on $NGPU GPUs"
+  echo "multi-GPU run started in the background on $NGPU GPUs"
 fi
-# The rest of issue 20 after the i20-bg run at 7de78cf (which ran out of device time after item 4's bucketed run), most
-# needed first: (4b) the seeds' layout, checkpoint_threads --spread on a --devices artifact; (5) the multi-GPU tests;
+# The rest of the multi-GPU runs after the i20-bg run at 7de78cf (which ran out of device time after item 4's bucketed run), most
+# needed first: (4b) a drafter job's layout, checkpoint_threads --spread on a --devices artifact; (5) the multi-GPU tests;
 # (4) the dynamic artifact under torchrun at random lengths; then threads_first_step --spread (raw vs kernelpack).
 # About 13 minutes on 2 H200s by that run's timings, then 4 more for a probe of the torchrun tier-2 time (below).
 # The GPU tests are bounded at 900 s: collect with I20_WAIT=ckpt-done, then tests-done, then the rest.
@@ -258,7 +258,7 @@ fi
 # command line).
 if [[ $what == i20-rest-bg ]]; then
   if [[ -f /tmp/t20/driver.pid ]] && kill -0 -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null; then
-    echo "an issue 20 run is still going (process group $(cat /tmp/t20/driver.pid)): i20-stop first"; exit 3
+    echo "a multi-GPU run is still going (process group $(cat /tmp/t20/driver.pid)): i20-stop first"; exit 3
   fi
   NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
   rm -rf /tmp/t20; mkdir -p /tmp/t20/spread /tmp/t20/vd
@@ -297,9 +297,9 @@ if [[ $what == i20-rest-bg ]]; then
     OMP_NUM_THREADS=1 $P --nproc 1 --out /tmp/t20/torchrun_1rank.json > /tmp/t20/torchrun_1rank.log 2>&1
     touch /tmp/t20/probe-done' > /tmp/t20/driver.log 2>&1 < /dev/null &
   echo $! > /tmp/t20/driver.pid
-  echo "issue 20 (rest) started in the background on $NGPU GPUs"
+  echo "multi-GPU (rest) started in the background on $NGPU GPUs"
 fi
-# Issue 20: where activate()'s seconds go in one process over every GPU (a --devices artifact): fresh processes,
+# Where activate()'s seconds go in one process over every GPU (a --devices artifact): fresh processes,
 # without and with Dynamo's imports and the CUDA contexts paid before it (bench/activate_phases.py)
 if [[ $what == activate-phases ]]; then
   NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -312,13 +312,13 @@ if [[ $what == activate-phases ]]; then
   done
 fi
 if [[ $what == i20-stop ]]; then
-  [[ -f /tmp/t20/driver.pid ]] || { echo "no issue 20 run on this machine"; exit 3; }
+  [[ -f /tmp/t20/driver.pid ]] || { echo "no multi-GPU run on this machine"; exit 3; }
   kill -TERM -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
   # the GPU tests' timeout runs in a process group of its own: it passes the TERM on to pytest and torchrun
   pkill -TERM -f '^timeout -k 30 900 python3 -m pytest'
   sleep 3; kill -KILL -- -"$(cat /tmp/t20/driver.pid)" 2>/dev/null
   # torchrun starts its workers in sessions of their own: they stop through torchrun's SIGTERM handler, not this kill
-  echo "stopped the issue 20 run; processes left on the GPUs:"
+  echo "stopped the multi-GPU run; processes left on the GPUs:"
   nvidia-smi --query-compute-apps=pid,name --format=csv
 fi
 if [[ $what == i20-collect ]]; then
@@ -367,18 +367,18 @@ if [[ $what == bench || $what == all ]]; then
   touch "$OUT/done"
 fi
 if [[ $what == threads ]]; then
-  # Issue 3: the seeds' 3 threads reaching their first flex call at once, cold torch.compile vs kernelpack.
+  # A drafter job's 3 threads reaching their first flex call at once, cold torch.compile vs kernelpack.
   python3 bench/threads_first_step.py --artifact $ART_DIR/*.kpack --threads 3 --timeout ${THREADS_TIMEOUT:-240} \
     --steady ${STEADY:-20} --out "$OUT/threads_first_step.json" 2>&1 | tee "$OUT/threads_first_step.log"
 fi
-# Issue 7 (every GPU of the machine; on a one-GPU kind these are dry runs of the same scripts).
+# Every GPU of the machine; on a one-GPU kind these are dry runs of the same scripts).
 NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 if [[ $what == torchrun || $what == multi ]]; then
   python3 bench/torchrun_first_step.py --artifact $ART_DIR/*.kpack --nproc "$NGPU" --timeout ${TORCHRUN_TIMEOUT:-300} \
     --out "$OUT/torchrun_first_step.json" 2>&1 | tee "$OUT/torchrun_first_step.log"
 fi
 if [[ $what == spread || $what == multi ]]; then
-  # The seeds' layout: one process, thread i on cuda:i, from an artifact built for every device index.
+  # A drafter job's layout: one process, thread i on cuda:i, from an artifact built for every device index.
   rm -rf /tmp/kp-spread; mkdir -p /tmp/kp-spread
   DEVICES=$(python3 -c "print(','.join(map(str, range($NGPU))))")
   python3 -m kernelpack.cli build recipes/dflash-drafter.toml -o /tmp/kp-spread --jobs 6 --devices "$DEVICES" 2>&1 \
@@ -387,7 +387,7 @@ if [[ $what == spread || $what == multi ]]; then
   python3 bench/threads_first_step.py --artifact /tmp/kp-spread/*.kpack --threads "$NGPU" --spread \
     --timeout ${THREADS_TIMEOUT:-240} --modes ${SPREAD_MODES:-raw,kernelpack} --out "$OUT/threads_spread.json" 2>&1 | tee "$OUT/threads_spread.log"
 fi
-# Issue 12: threads x gradient checkpointing after activate(), fresh processes bounded by 120 s each; detached.
+# Threads x gradient checkpointing after activate(), fresh processes bounded by 120 s each; detached.
 if [[ $what == ckpt-bg ]]; then
   rm -rf /tmp/ckpt-out; mkdir -p /tmp/ckpt-out
   setsid nohup python3 bench/checkpoint_threads.py --artifact $ART_DIR/*.kpack --threads 3 --timeout 120 \
@@ -398,7 +398,7 @@ if [[ $what == ckpt-bg ]]; then
   echo "checkpoint benchmark started in the background"
 fi
 if [[ $what == ckpt-collect ]]; then collect /tmp/ckpt-out checkpoint_threads.json checkpoint_threads.log; fi
-# Issue 13: an HF-style block (bench/hf_block.py) served by a bshd artifact, then the checkpoint proof with that block;
+# An HF-style block (bench/hf_block.py) served by a bshd artifact, then the checkpoint proof with that block;
 # detached, one after the other (they share the GPU), collected by user-collect.
 if [[ $what == user-bg ]]; then
   rm -rf /tmp/user-out; mkdir -p /tmp/user-out
@@ -411,7 +411,7 @@ if [[ $what == user-bg ]]; then
   echo "user-block benchmarks started in the background"
 fi
 if [[ $what == user-collect ]]; then collect /tmp/user-out done user_block.log checkpoint_threads_hf.log; fi
-# Issue 14: a transformers causal LM through attn_implementation="kernelpack" (bench/transformers_step.py), and the
+# A transformers causal LM through attn_implementation="kernelpack" (bench/transformers_step.py), and the
 # bounded BlockMask builder (bench/mask_builder.py); tf-ckpt-bg: the three-thread checkpointing proof with that model
 # (bench/checkpoint_threads.py --block tf), detached, collected by tf-ckpt-collect. TF_REPEATS=3 takes over 9 minutes:
 # more than one device call allows in the foreground.
@@ -435,7 +435,7 @@ if [[ $what == tf ]]; then
     --repeats ${TF_REPEATS:-2} --out "$OUT/transformers_step.json" 2>&1 | tee "$OUT/transformers_step.log"
   python3 bench/mask_builder.py --device cuda --lengths 4096,16384 > "$OUT/mask_builder.jsonl" 2>&1
 fi
-# Issue 15: record one training step of the transformers causal LM (bench/tf_train_step.py: reentrant checkpointing),
+# Record one training step of the transformers causal LM (bench/tf_train_step.py: reentrant checkpointing),
 # build the recorded recipe, replay the step from the artifact.
 if [[ $what == record ]]; then
   rm -rf /tmp/kp-rec; mkdir -p /tmp/kp-rec

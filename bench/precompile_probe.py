@@ -1,4 +1,4 @@
-"""What torch's precompile path (issue 18's tier 2) does with flex_attention on this torch: one step per process.
+"""What torch's precompile path does with flex_attention on this torch: one step per process.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/c python bench/precompile_probe.py save  --out /tmp/fn.bin   # aot_compile + save
     TORCHINDUCTOR_CACHE_DIR=/tmp/c python bench/precompile_probe.py load  --out /tmp/fn.bin   # load + first call

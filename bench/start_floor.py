@@ -1,4 +1,4 @@
-"""Issue 36, "know the floor": where a job's start goes, phase by phase, and what each phase cannot go below.
+""" "know the floor": where a job's start goes, phase by phase, and what each phase cannot go below.
 
 Each sample is a fresh process on an empty cache dir (a new node). ``phases`` pays every cost alone, in the order a
 job pays it: ``import torch``, flex_attention's module, Dynamo, inductor (and its code cache and Triton runtime),

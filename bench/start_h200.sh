@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 36 on the H200: the job-start targets, in parts that fit one device call each, every part's files in one
+# The job-start targets, in parts that fit one device call each, every part's files in one
 # tarball (the device returns 8 files). PARTS (space-separated), run in order:
 #   dflash    bench/dflash_h200.sh e: record, build, cold x1; kernelpack, kernelpack --foreground, native warm x3
 #   qwen3     bench/family_h200.sh, Qwen3 mixed layers at 2048,4096: kernelpack x3, cold x1, native warm x3

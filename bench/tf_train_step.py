@@ -1,4 +1,4 @@
-"""A user's training job for `kernelpack record` on the GPU (issue 15's H200 proof): the transformers causal LM of
+"""A user's training job for `kernelpack record` on the GPU: the transformers causal LM of
 bench/transformers_step.py (Mistral architecture: GQA 32/8, D=128, sliding window 1024, bf16) with
 attn_implementation="kernelpack" and transformers' own reentrant gradient checkpointing, one training step per
 length. Prints one JSON line: each length's step seconds and what torch compiled during the step.
@@ -26,7 +26,7 @@ ap.add_argument("--lengths", default="4096,8192")
 ap.add_argument("--artifact")
 ap.add_argument("--cache")
 ap.add_argument("--tiny", action="store_true")
-# gemma3 (issue 35): sliding and full layers, ONE kv head, head_dim 256, query_pre_attn_scalar; its k and v have other
+# gemma3: sliding and full layers, ONE kv head, head_dim 256, query_pre_attn_scalar; its k and v have other
 # strides than a contiguous tensor on the size-1 head dim, which Dynamo guards
 ap.add_argument("--family", choices=["mistral", "gemma3", "qwen3"], default="mistral")
 # flex_attention: transformers' own compiled flex path, the native arms (cold: an empty TORCHINDUCTOR_CACHE_DIR;
@@ -81,7 +81,7 @@ with torch.device(device):
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
 mark = evidence.next_seq()
 steps = []
-ends = []  # seconds from the activate() line (t0) to the end of each step: model construction inside (issue 36)
+ends = []  # seconds from the activate() line (t0) to the end of each step: model construction inside
 for n in (int(x) for x in args.lengths.split(",")):
     ids = torch.randint(0, cfg.vocab_size, (1, n), device=device)
     start = time.perf_counter()
@@ -111,7 +111,7 @@ print(
             "misses_in_steps": sum(r.missed for r in records),
             "compiled_code": sorted({r.code.split(" (")[0] for r in compiles}),
             "report": report.summary() if report is not None else None,
-            # issue 36's clock: from the activate() line to the end of the first step, model construction inside
+            # the start's clock: from the activate() line to the end of the first step, model construction inside
             "start_to_first_step_s": ends[0],
             "start_to_each_step_s": ends,
             # the job's first calls (not the warm-up's): each a precompiled function's lazy load and first run

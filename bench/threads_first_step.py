@@ -1,4 +1,4 @@
-"""The seeds' failure and its fix, side by side: N threads reach their first flex_attention call at once.
+"""Threads that cold-compile flex at once, and the fix: N threads reach their first flex_attention call at once.
 
   raw         each thread's first call goes through a plain ``torch.compile(flex_attention, dynamic=False)`` with
               an empty cache dir (what the drafter did). Bounded by --timeout: a hang is reported as such.

@@ -1,4 +1,4 @@
-"""Issue 18's targets from one `bench/warm_start.py --tiers` run: per-config first-call cost with tier 2 against
+"""The tiers' targets from one `bench/warm_start.py --tiers` run: per-config first-call cost with tier 2 against
 native warm, each paired run, and the ratios to cold, native warm, mega-cache and tier 1.
 
     python bench/tiers_summary.py tiers.json manifest.json     (manifest: `kernelpack inspect --json` of the artifact)

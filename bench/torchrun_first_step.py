@@ -1,4 +1,4 @@
-"""One process per GPU under torchrun: does every rank's first step compile nothing? (issue 7, items 1, 2 and 4)
+"""One process per GPU under torchrun: does every rank's first step compile nothing?
 
 Modes, each a separate ``torchrun --standalone --nproc-per-node N`` job over one node cache dir shared by its ranks
 (bench/torchrun_driver.py: empty, except for warm), ``--repeats`` rounds of them:
@@ -6,7 +6,7 @@ Modes, each a separate ``torchrun --standalone --nproc-per-node N`` job over one
   cold            no artifact: rank r ``torch.compile(flex_attention)`` on cuda:r from scratch (what jobs do today)
   warm            the same over a copy of the first cold job's cache: torch's native warm start
   pinned          ``runtime.pin_local_gpu()`` (each rank sees its GPU as cuda:0), then ``activate(ARTIFACT)``: the
-                  precompiled tier serves what it covers (issue 18)
+                  precompiled tier serves what it covers
   pinned-tier1    the same with KERNELPACK_PRECOMPILED=0: the inductor cache serves every call
   unpinned        rank r runs on cuda:r, ``activate(ARTIFACT, strict=False)``: ranks != 0 are not covered
                   (pytorch#170123); after the warm-up non-strict mode refuses them too (it compiles only with
@@ -110,7 +110,7 @@ def worker(mode: str, result_dir: str, artifact: str) -> None:
         out["first_calls"] = [[c.signature.describe(), round(c.seconds, 3)] for c in runtime.report().first_calls]
         out["warmup_s"] = runtime.report().warmup_seconds
         # torch's compile records, whole: the first pinned job over a new artifact counted 1-2 more than its signatures
-        # (backward records on the autograd engine's thread, none missed: docs/BENCHMARKS.md, issue 20)
+        # (backward records on the autograd engine's thread, none missed: docs/BENCHMARKS.md)
         out["compiles"] = runtime.report().to_dict()["compiles"]
     Path(result_dir, f"rank{out['rank']}.json").write_text(json.dumps(out, indent=1))
     dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Training steps of a transformers causal LM under torchrun, one process per GPU (issue 20, items 2 and 4): does
+"""Training steps of a transformers causal LM under torchrun, one process per GPU: does
 every rank's first training step compile nothing?
 
 The model is bench/transformers_step.py's (Mistral architecture: sliding window, GQA 32/8, D=128, 2 layers, bf16).

@@ -5,10 +5,10 @@ side by side in one run, each sample a fresh subprocess (bench/warm_start.py's p
   (b) warm       the same, with the cache dir (a) filled: torch's native warm start
   (c) mega       the same, after torch.compiler.load_cache_artifacts() of the blob (a) saved, into an empty dir
   (d) kernelpack runtime.activate(artifact) (install + warm-up included), attn_implementation="kernelpack"; the
-                precompiled tier serves the calls it covers (issue 18)
+                precompiled tier serves the calls it covers
   (e) tier1     the same with KERNELPACK_PRECOMPILED=0: the inductor cache serves every call
   (f) background runtime.activate(artifact, warmup="background") BEFORE the model is built, so that loading the
-                precompiled functions overlaps model construction (issue 18's stretch goal); its clock therefore
+                precompiled functions overlaps model construction; its clock therefore
                 includes model construction: compare its first_step with another arm's model_s + first_step
 
 A step is forward + backward of the model on one batch of each length, in order. first_step = preparation + every

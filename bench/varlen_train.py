@@ -1,4 +1,4 @@
-"""A training loop whose batch length changes every step (issue 17's H200 proof): the transformers causal LM of
+"""A training loop whose batch length changes every step: the transformers causal LM of
 bench/transformers_step.py (Mistral architecture: GQA 32/8, D=128, sliding window 1024, bf16, 2 layers), one batch
 of a random length in [--min, --max] per step (the same seeded lengths in every arm), forward + backward.
 

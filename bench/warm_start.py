@@ -7,7 +7,7 @@
   (e) tier1     runtime.activate() into an empty dir with KERNELPACK_PRECOMPILED=0: install, warm-up through the
                 inductor cache (Dynamo traces each call), then the calls through kernelpack.flex_attention
   (f) tier2     runtime.activate() into an empty dir: install, load every precompiled function and call it once,
-                then the calls through kernelpack.flex_attention, served without Dynamo (issue 18)
+                then the calls through kernelpack.flex_attention, served without Dynamo
 
 Time-to-first-step = preparation (load/install/activate) + the first canonical call of every config (forward, and
 backward when built), synchronized. Import of torch/kernelpack and CUDA init are excluded for every mode alike.
@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--cold-repeats", type=int, default=None, help="default: --repeats")
     ap.add_argument("--out", default="warm_start.json")
     ap.add_argument("--timeout", type=float, default=1200)
-    ap.add_argument("--tiers", action="store_true", help="also (e) tier1 and (f) tier2: activate() (issue 18)")
+    ap.add_argument("--tiers", action="store_true", help="also (e) tier1 and (f) tier2: activate()")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kp-bench-"))
     fresh = ("mega", "kernelpack", *(("tier1", "tier2") if args.tiers else ()))
