@@ -100,7 +100,7 @@ fi
 # e: the job's start with the background start as activate()'s default: record, build, cold x1, then alternated fresh
 # processes: kernelpack as shipped (activate()), kernelpack with activate(warmup=True) (--foreground), native warm
 # (the cold run's cache dir); RUNS of each (3), NO_FG=1 without the --foreground arm, THREAD_ARM=1 with a
-# KERNELPACK_INSTALL_PROCESS=0 arm; then the GPU tests TESTS names
+# KERNELPACK_INSTALL_PROCESS=0 arm, ALL_ARM=1 with a KERNELPACK_INSTALL=all arm; then the GPU tests TESTS names
 if [[ ${1:-a} == e ]]; then
   record_build
   TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm cold 1 --flex torch
@@ -110,6 +110,10 @@ if [[ ${1:-a} == e ]]; then
     # THREAD_ARM=1: the same start with the install's files written in a thread of the job (not a child process)
     [[ -n ${THREAD_ARM:-} ]] && KERNELPACK_INSTALL_PROCESS=0 arm kernelpack-thread $r --artifact $D/out/*.kpack \
       --cache $D/kpt-cache-$r
+    # ALL_ARM=1: the start installs every part of the artifact in the background (KERNELPACK_INSTALL=all), not
+    # only the signatures the job calls
+    [[ -n ${ALL_ARM:-} ]] && KERNELPACK_INSTALL=all arm kernelpack-install-all $r --artifact $D/out/*.kpack \
+      --cache $D/kpa-cache-$r
     TORCHINDUCTOR_CACHE_DIR=$D/cold-1 arm warm $r --flex torch
   done
   if [[ -n ${TESTS:-} ]]; then

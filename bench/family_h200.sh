@@ -5,7 +5,7 @@
 # REPLAY_FLAGS (e.g. --import-after: the model classes imported after activate()) go to the replays only.
 # BUCKETS=512 FAMILY=mistral: the recipe is bench/varlen_train.py's buckets of 512 over 1024..16384 (31 configs, fwd
 # and fwd+bwd: 62 signatures), not a recording. RUNS (3) fresh processes per arm,
-# COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm.
+# COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm; ALL_ARM=1 adds a KERNELPACK_INSTALL=all arm.
 set -uo pipefail
 source bench/device_env.sh
 FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
@@ -27,6 +27,14 @@ art=$(ls $D/out/*.kpack | head -1)
 for run in 1 2 3; do
   $JOB ${REPLAY_FLAGS:-} --artifact "$art" --cache $D/cache-$run 2> "$OUT/replay-$run.log" | tail -1 | tee -a "$OUT/replay.txt"
 done
+# ALL_ARM=1: kernelpack again with KERNELPACK_INSTALL=all (the start installs every part of the artifact in the
+# background, not only the signatures the job calls)
+if [[ -n ${ALL_ARM:-} ]]; then
+  for run in 1 2 3; do
+    KERNELPACK_INSTALL=all $JOB ${REPLAY_FLAGS:-} --artifact "$art" --cache $D/cache-all-$run 2> "$OUT/replay-all-$run.log" \
+      | tail -1 | sed 's/^/{"arm": "kernelpack-install-all", "line": /; s/$/}/' | tee -a "$OUT/arms.jsonl"
+  done
+fi
 # native: transformers' own flex_attention, cold (an empty inductor cache dir each run), warm (the first cold run's
 # dir again), mega-cache (torch.compiler's cache artifacts saved by a warm run, loaded into an empty dir)
 N=${RUNS:-3}

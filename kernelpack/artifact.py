@@ -1,16 +1,23 @@
-"""The ``.kpack`` artifact: one zstd-compressed tar stream, ``manifest.json`` first, then the cache tree.
+"""The ``.kpack`` artifact: a tar stream in zstd frames, ``manifest.json`` first, then the cache tree by parts.
 
-Layout::
+Layout, one zstd frame per row (concatenated frames are one stream to ``zstd -d`` and ``tar --zstd -x``)::
 
-    manifest.json                 format, versions, recipe, configs, build key, every file's size and sha256, and
-                                  the sha256 of all of that (``manifest_sha256``: a flipped bit anywhere is refused)
-    cache/<path in the cache dir> one regular member per distinct content; a later file with the same content is a
-                                  hard-link member pointing at the first one (tar's own dedup, so ``tar -x`` works)
+    manifest.json                 format, versions, recipe, configs, build key, every file's size and sha256, the
+                                  parts (each one's files, owners, frame offset and size), and the sha256 of all of
+                                  that (``manifest_sha256``: a flipped bit anywhere is refused)
+    cache/<path in the cache dir> one frame per part: the files of one tier made for one set of (config, device)
+    ...                           pairs (:class:`~kernelpack.manifest.Part`); in a part, one regular member per
+                                  distinct content, a later file with the same content a hard-link member pointing
+                                  at the first one (tar's own dedup, so ``tar -x`` works)
+    (two zero blocks)             the tar's end
+
+A process reads the manifest's frame, then seeks to the frames of the parts its calls need: installing is
+proportional to what a job uses, not to the artifact (job start, docs/ARCHITECTURE.md).
 
 The manifest itself, its typed owner and what it covers, is :mod:`kernelpack.manifest`; this module is the archive
 around it: pack, merge, the hostile-archive reader, unpack.
 
-Packing is deterministic: members sorted, mtime/uid/gid/uname/gname fixed, modes normalized, and zstd's
+Packing is deterministic: parts and members sorted, mtime/uid/gid/uname/gname fixed, modes normalized, and zstd's
 multi-threaded output does not depend on the thread count, so the same cache tree and manifest give the same bytes.
 
 Reading never trusts the archive: every member is checked against the manifest (name, type, size, sha256) while it
@@ -23,12 +30,14 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import os
+import shutil
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +53,7 @@ from .manifest import (
     is_shipped,
     merge_manifests,
 )
+from .parts import owner, plan_parts
 
 TREE_PREFIX = "cache/"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -85,9 +95,18 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
 
 
 def pack(
-    out_path: Path, manifest: Manifest, sources: Mapping[str, Path], *, level: int = 10, threads: int = -1
-) -> Path:
-    """Write the artifact atomically: ``manifest``, then each of its files read from ``sources[path]``.
+    out_path: Path,
+    manifest: Manifest,
+    sources: Mapping[str, Path],
+    *,
+    owners: Mapping[str, Collection[str]] | None = None,
+    level: int = 10,
+    threads: int = -1,
+) -> tuple[Path, Manifest]:
+    """Write the artifact atomically: ``manifest`` in the first zstd frame, then each part of its files (a
+    :class:`~kernelpack.manifest.Part`: one per tier and set of ``owners``, the (config, device) pairs whose worker
+    wrote the file; default: as ``manifest``'s own parts say) in a frame of its own, read from ``sources[path]``,
+    then the tar's end. Returns the path and the manifest as written (with its parts' offsets).
 
     Raises :class:`KernelpackError` naming the output when it cannot be written; nothing is left behind."""
     import zstandard
@@ -95,31 +114,58 @@ def pack(
     params = zstandard.ZstdCompressionParameters.from_level(
         level, threads=threads, enable_ldm=True, window_log=WINDOW_LOG, write_checksum=True
     )
-    manifest_bytes = manifest.to_json()
+    everyone = [owner(c.id, d) for c, d in manifest.pairs()]
+    plan = plan_parts(list(manifest.files), manifest.owners() if owners is None else owners, everyone)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        with _fs.atomic_write(out_path, fsync=True) as raw:
-            cctx = zstandard.ZstdCompressor(compression_params=params)
-            with cctx.stream_writer(raw, closefd=False) as zw:
-                with tarfile.open(fileobj=zw, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-                    tar.addfile(_tarinfo(MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
-                    first_with: dict[str, str] = {}
-                    for rel, entry in sorted(manifest.files.items()):
+        with tempfile.TemporaryFile(dir=out_path.parent, prefix=".kpack-parts-") as frames:
+            parts = []
+            for part in plan:
+                at = frames.tell()
+                with zstandard.ZstdCompressor(compression_params=params).stream_writer(frames, closefd=False) as zw:
+                    first_with: dict[str, str] = {}  # hard links only inside a part: a part is read alone
+                    for rel in part.files:
+                        entry = manifest.files[rel]
                         name = TREE_PREFIX + rel
                         if entry.sha256 in first_with:
                             ti = _tarinfo(name, 0)
                             ti.type, ti.linkname = tarfile.LNKTYPE, first_with[entry.sha256]
-                            tar.addfile(ti)
+                            zw.write(_header(ti))
                             continue
                         first_with[entry.sha256] = name
+                        zw.write(_header(_tarinfo(name, entry.size)))
                         with open(sources[rel], "rb") as f:
-                            tar.addfile(_tarinfo(name, entry.size), f)
+                            n = 0
+                            while chunk := f.read(_CHUNK):
+                                n += len(chunk)
+                                zw.write(chunk)
+                        if n != entry.size:
+                            raise KernelpackError(f"{sources[rel]} changed size while it was packed ({n} bytes)")
+                        zw.write(_padding(n))
+                parts.append(dataclasses.replace(part, offset=at, size=frames.tell() - at))
+            manifest = dataclasses.replace(manifest, parts=tuple(parts))
+            manifest_bytes = manifest.to_json()
+            frames.seek(0)
+            with _fs.atomic_write(out_path, fsync=True) as raw:
+                cctx = zstandard.ZstdCompressor(compression_params=params)
+                head = _header(_tarinfo(MANIFEST_NAME, len(manifest_bytes))) + manifest_bytes
+                raw.write(cctx.compress(head + _padding(len(manifest_bytes))))
+                shutil.copyfileobj(frames, raw, _CHUNK)
+                raw.write(cctx.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the tar's end: `tar -x` reads it whole
     except OSError as e:
         raise KernelpackError(
             f"cannot write the artifact {out_path}: {type(e).__name__}: {e}",
             hint="choose a writable output directory with -o and check its free space",
         ) from e
-    return out_path
+    return out_path, manifest
+
+
+def _header(ti: tarfile.TarInfo) -> bytes:
+    return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+def _padding(n: int) -> bytes:
+    return bytes(-n % tarfile.BLOCKSIZE)
 
 
 def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 10) -> tuple[Path, Manifest]:
@@ -139,8 +185,11 @@ def merge(artifacts: Sequence[str | Path], out_dir: str | Path, *, level: int = 
             tree = Path(tmp, str(n))
             for rel in unpack(path, tree).files:
                 sources.setdefault(rel, tree / rel)
-        out = pack(Path(out_dir) / merged.name, merged, sources, level=level)
-    return out, merged
+        owners: dict[str, set[str]] = {}
+        for m in manifests:  # a path two shards hold is each's (the first one's bytes win, as for files)
+            for rel, who in m.owners().items():
+                owners.setdefault(rel, set()).update(who)
+        return pack(Path(out_dir) / merged.name, merged, sources, owners=owners, level=level)
 
 
 # ---------------------------------------------------------------------------------------------------------- reading
@@ -238,18 +287,68 @@ class Member:
     write: Callable[[IO[bytes]], None]
 
 
-def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
-    """Yield every file of the tree in archive order, each checked against ``manifest`` as it is written.
+def iter_members(
+    path: str | Path, manifest: Manifest, parts: Iterable[int] | None = None, *, base: int | None = None
+) -> Iterator[Member]:
+    """Yield every file of ``parts`` (indices into ``manifest.parts``; default: all), part by part in archive order,
+    each checked against ``manifest`` as it is written. Each part's frame is read alone, at its offset: ``base`` is
+    where manifest.json's frame ends (:func:`parts_base`; found here when not given).
 
-    Raises :class:`ArtifactError` on any mismatch: an unknown, duplicate, missing, unsafe or oversize member, a link
-    that does not point at an earlier member of the same content, a sha256 that differs, or a corrupt stream.
+    Raises :class:`ArtifactError` on any mismatch: an unknown, duplicate, missing, unsafe or oversize member, a member
+    of another part, a link that does not point at an earlier member of its part with the same content, a sha256 that
+    differs, a frame that does not end where the manifest says, or a corrupt stream.
     """
     path = str(path)
-    limit = MAX_MANIFEST_BYTES + manifest.total_size + _HEADER_SLACK + _PER_MEMBER_SLACK * (len(manifest.files) + 1)
+    indices = range(len(manifest.parts)) if parts is None else sorted(set(parts))
+    if manifest.files and not manifest.parts:
+        raise ArtifactError(path, "manifest.json lists files but no parts: not written by kernelpack's packer")
+    try:
+        raw = _fs.open_regular(path)
+    except OSError as e:
+        raise ArtifactError(path, f"cannot open: {type(e).__name__}: {e}") from None
+    with raw:
+        size = os.fstat(raw.fileno()).st_size
+        if base is None:
+            base = _frame_end(raw, 0, size, path)
+        for i in indices:
+            yield from _part_members(path, raw, size, base, manifest, i)
+
+
+def parts_base(path: str | Path) -> int:
+    """Where manifest.json's frame ends: the parts' offsets count from here."""
+    path = str(path)
+    with _wrap_errors(path), _fs.open_regular(path) as raw:
+        return _frame_end(raw, 0, os.fstat(raw.fileno()).st_size, path)
+
+
+def _part_members(path: str, raw: IO[bytes], size: int, base: int, manifest: Manifest, index: int) -> Iterator[Member]:
+    import zstandard
+
+    part = manifest.parts[index]
+    at = base + part.offset
+    if at + part.size > size:
+        raise ArtifactError(
+            path,
+            f"truncated artifact: {size} bytes, its part {index}'s frame ({len(part.files)} files, the first named "
+            f"here) ends at byte {at + part.size}",
+            member=TREE_PREFIX + part.files[0],
+        )
+    raw.seek(at)
+    data = raw.read(part.size)
+    if len(data) != part.size or _frame_end(io.BytesIO(data), 0, part.size, path) != part.size:
+        raise ArtifactError(
+            path,
+            f"corrupt artifact: part {index}'s frame ({len(part.files)} files, the first named here) does not end "
+            "where manifest.json says",
+            member=TREE_PREFIX + part.files[0],
+        )
+    wanted = set(part.files)
+    expanded = sum(manifest.files[rel].size for rel in part.files)
+    limit = expanded + _HEADER_SLACK + _PER_MEMBER_SLACK * (len(part.files) + 1)
     seen: dict[str, str] = {}  # member path -> sha256 of its verified content
-    with _open_tar(path, limit) as tar:
-        if _read_manifest_member(path, tar).files != manifest.files:
-            raise ArtifactError(path, "manifest.json changed between reads")
+    dctx = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
+    with dctx.stream_reader(io.BytesIO(data), read_across_frames=False) as stream, _wrap_errors(path):
+        tar = tarfile.open(fileobj=_Budget(stream, path, limit), mode="r|")
         while (ti := tar.next()) is not None:
             name = ti.name
             if not name.startswith(TREE_PREFIX):
@@ -261,6 +360,8 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
                 raise ArtifactError(path, "member not listed in manifest.json", member=name)
             if rel in seen:
                 raise ArtifactError(path, "duplicate member", member=name)
+            if rel not in wanted:
+                raise ArtifactError(path, f"member of another part than its frame's ({index})", member=name)
             if ti.islnk():
                 target = ti.linkname
                 target_rel = target[len(TREE_PREFIX) :] if target.startswith(TREE_PREFIX) else None
@@ -311,11 +412,11 @@ def iter_members(path: str | Path, manifest: Manifest) -> Iterator[Member]:
             if not consumed:
                 raise ArtifactError(path, "member was not consumed", member=name)
             seen[rel] = entry.sha256
-        missing = manifest.files.keys() - seen.keys()
-        if missing:
-            raise ArtifactError(
-                path, f"{len(missing)} file(s) of manifest.json missing (truncated?)", member=sorted(missing)[0]
-            )
+    missing = wanted - seen.keys()
+    if missing:
+        raise ArtifactError(
+            path, f"{len(missing)} file(s) of manifest.json missing from part {index}", member=sorted(missing)[0]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,42 +430,58 @@ class MemberCheck:
 
 def check_members(path: str | Path) -> MemberCheck:
     """Read the whole artifact and check every member against its manifest, writing nothing: each listed file
-    present once, with its size and sha256, no member that is not listed, and a stream that is neither truncated nor
-    corrupt (tarfile reads whole 10 KiB records, so the tar's end and zstd's frame checksum are read too). An
-    install's checks (:func:`iter_members`), without a target and without torch, plus one an install does not need
-    (its members are whole either way): the file ends where its zstd frame ends. ``kernelpack inspect --verify``.
+    present once, in its part, with its size and sha256, no member that is not listed, and a stream that is neither
+    truncated nor corrupt. An install's checks (:func:`iter_members`), without a target and without torch, plus one
+    an install does not need (its members are whole either way): the frames follow each other with nothing between
+    them, and the file ends where the tar's end frame ends. ``kernelpack inspect --verify``.
 
     Raises :class:`ArtifactError` naming the first bad member."""
     manifest = read_manifest(path)
     try:
+        base = parts_base(path)
         with open(os.devnull, "wb") as sink:
-            for member in iter_members(path, manifest):
+            for member in iter_members(path, manifest, base=base):
                 if member.link_to is None:
                     member.write(sink)
-        _check_frame_end(str(path))
+        _check_layout(str(path), manifest, base)
     except ArtifactError as e:
         e.hint = "the artifact is damaged: download, copy or rebuild it again"
         raise
     return MemberCheck(manifest, len(manifest.files), manifest.total_size)
 
 
-def _check_frame_end(path: str) -> None:
-    """The file must end exactly where its zstd frame ends. A cut of 1 to 3 bytes falls inside the frame's 4-byte
-    checksum: the decoder has every block by then and reports no error at EOF, and every member's hash is right, so
-    only walking the frame's block headers (RFC 8878, 3.1.1.2) to its end tells. Trailing bytes after the frame are
-    refused too: the builder writes one frame and nothing after it."""
+def _check_layout(path: str, manifest: Manifest, base: int) -> None:
+    """After the parts' frames (each checked where it was read), exactly one more: the tar's end, then the file's."""
     import zstandard
 
     with _wrap_errors(path), _fs.open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
+        at = base + sum(p.size for p in manifest.parts)
+        end = _frame_end(f, at, size, path)
+        f.seek(at)
+        tail = zstandard.ZstdDecompressor().decompress(f.read(end - at), max_output_size=1 << 20)
+    if tail.strip(b"\0"):
+        raise ArtifactError(path, "corrupt artifact: its last frame is not the tar's end")
+    if end < size:
+        raise ArtifactError(path, f"corrupt artifact: {size - end} bytes after the end of its last zstd frame")
+
+
+def _frame_end(f: IO[bytes], pos: int, size: int, path: str) -> int:
+    """Where the zstd frame that starts at ``pos`` ends, from its header and block headers alone (RFC 8878, 3.1.1):
+    a few reads per 128 KiB block, nothing decompressed. A cut of 1 to 3 bytes falls inside a frame's 4-byte
+    checksum: the decoder has every block by then and reports no error at EOF, so only this walk tells."""
+    import zstandard
+
+    with _wrap_errors(path):
+        f.seek(pos)
         head = f.read(18)  # a frame header's maximum size
         params = zstandard.get_frame_parameters(head)
-        pos = zstandard.frame_header_size(head)
+        pos += zstandard.frame_header_size(head)
         while True:
             f.seek(pos)
             block = f.read(3)
             if len(block) < 3:
-                raise ArtifactError(path, f"truncated artifact: {size} bytes end inside the zstd frame's blocks")
+                raise ArtifactError(path, f"truncated artifact: {size} bytes end inside a zstd frame's blocks")
             header = int.from_bytes(block, "little")
             last, kind, block_size = header & 1, (header >> 1) & 3, header >> 3
             if kind == 3:
@@ -374,9 +491,8 @@ def _check_frame_end(path: str) -> None:
                 break
         end = pos + (4 if params.has_checksum else 0)
     if end > size:
-        raise ArtifactError(path, f"truncated artifact: {size} bytes, its zstd frame ends at byte {end} (checksum cut)")
-    if end < size:
-        raise ArtifactError(path, f"corrupt artifact: {size - end} bytes after the end of its zstd frame")
+        raise ArtifactError(path, f"truncated artifact: {size} bytes, a zstd frame ends at byte {end} (checksum cut)")
+    return end
 
 
 def unpack(path: str | Path, dest: Path) -> Manifest:

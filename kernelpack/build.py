@@ -473,10 +473,12 @@ def _package(
         )
     # Merge: for a path more than one worker wrote, the first (by config id, then device) wins: deterministic.
     sources: dict[str, Path] = {}
+    owners: dict[str, set[str]] = {}  # what each file was made for: the artifact's parts (installed by signature)
     for o in built:
         assert o.cache_dir is not None
         for rel, p in art.scan_tree(o.cache_dir).items():
             sources.setdefault(rel, p)
+            owners.setdefault(rel, set()).add(mf.owner(o.config.id, o.device_index))
     manifest = mf.Manifest(
         name=mf.artifact_name(recipe.name, key.tag if shard is None else f"{key.tag}.shard-{shard[0]}-of-{shard[1]}"),
         created=mf.created_now(),
@@ -488,7 +490,7 @@ def _package(
         shard=None if shard is None else f"{shard[0]}/{shard[1]}",
         key_settings=built[0].key_settings,
     )
-    return art.pack(out_dir / manifest.name, manifest, sources, level=level), manifest
+    return art.pack(out_dir / manifest.name, manifest, sources, owners=owners, level=level)
 
 
 def _built_configs(built: list[ConfigOutcome]) -> tuple[mf.BuiltConfig, ...]:

@@ -217,6 +217,9 @@ def inspect_cmd(artifact: str, as_json: bool, check: bool) -> None:
     click.echo(
         f"artifact: {_size(os.path.getsize(artifact))} compressed, {len(m.files)} files, {_size(m.total_size)} expanded"
     )
+    if m.parts:  # what a start installs: the parts of the signatures it calls
+        largest = max(sum(m.files[rel].size for rel in p.files) for p in m.parts)
+        _echo(f"parts: {len(m.parts)} (a job installs those of the signatures it calls; largest {_size(largest)})")
     _echo("build key:")
     for k, v in m.build_key.to_dict().items():
         _echo(f"  {k:14} {v}")

@@ -13,21 +13,18 @@ job-start wrapper that also points this process at the cache (:mod:`kernelpack.r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, cast
 
 from . import _fs, _lock, settings
 from . import artifact as art
@@ -35,15 +32,11 @@ from . import manifest as mf
 from ._torch.inductor import CPP_UNSAFE_PATH_CHARS
 from .errors import ArtifactError, InstallError, KernelpackError, KernelpackWarning, KeyMismatchError, LockTimeoutError
 from .keys import differences, probe
+from .staging import STAGE_PREFIX, Counts, Mark, destination, extract, extract_in_child, write_marker
 
 log = logging.getLogger(__name__)
 
 STATE_DIR = ".kernelpack"  # inside the cache dir: install markers. Never shipped in artifacts.
-# inductor's FX-graph and AOTAutograd caches: only a Dynamo trace reads them (tier 1); a precompiled function (tier 2)
-# carries its graphs, and loads with neither dir installed (checked: CPU, torch 2.13). Its generated code and
-# kernels are in the other dirs (code dirs, triton/), which it does need.
-TIER1_ONLY = ("fxgraph/", "aotautograd/")
-_STAGE_PREFIX = ".kernelpack-tmp-"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +54,8 @@ class InstallResult:
     noop: bool  # the marker said this artifact was installed here already
     mismatches: list[tuple[str, str, str]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase: manifest, probe, hash, extract
+    parts: int = 0  # the artifact's parts (a signature's files: kernelpack.manifest.Part)
+    parts_installed: int = 0  # installed in the cache dir when this was read (a start installs parts as calls come)
 
 
 def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -87,18 +82,12 @@ def resolve_cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
     return path
 
 
-def destination(cache_dir: Path, rel: str) -> Path:
-    """Where a file of the artifact's tree goes. ``triton/<dev>/...`` follows TRITON_CACHE_DIR when it is set,
-    exactly like inductor's ``triton_cache_dir()``."""
-    triton_dir = settings.triton_cache_dir()
-    parts = rel.split("/")
-    if triton_dir is not None and parts[0] == "triton" and len(parts) > 2:
-        return triton_dir.joinpath(*parts[2:])
-    return cache_dir.joinpath(*parts)
-
-
 def marker_path(cache_dir: Path, sha256: str) -> Path:
     return cache_dir / STATE_DIR / "installed" / f"{sha256}.json"
+
+
+def part_marker_path(cache_dir: Path, sha256: str, index: int) -> Path:
+    return cache_dir / STATE_DIR / "installed" / f"{sha256}.part-{index}.json"
 
 
 def install_artifact(
@@ -256,8 +245,11 @@ def _begin(
 
 class Installing:
     """An install :func:`begin_install` checked: its artifact's manifest and the cache dir it goes into are known,
-    nothing is written yet. :meth:`finish` (once, in any thread) installs; :meth:`result` is its outcome for other
-    threads. A pinned install holds its descriptor open until then."""
+    nothing is written yet. The artifact is installed by parts (:class:`~kernelpack.manifest.Part`: a signature's
+    files): :meth:`ensure` installs what one signature needs, in any thread, at its first call; :meth:`start` what a
+    background start installs; :meth:`finish` every part. :meth:`result` is the install's outcome for other
+    threads. A pinned install holds its descriptor open until every part is installed (or the process ends): a part
+    installed lazily is read from the very bytes that were hashed."""
 
     def __init__(
         self,
@@ -276,79 +268,166 @@ class Installing:
         self.cache_dir = str(target)
         self.artifact = name
         self._path, self._target, self._mismatches, self._stack = path, target, mismatches, stack
+        self._pinned = sha256 is not None
         self._sha256, self._timings, self._seconds = sha256, timings, seconds
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._result: InstallResult | None = None
+        self._base: int | None = None  # where manifest.json's frame ends (the parts' offsets count from it)
+        self._lock = threading.Lock()  # finish() and the artifact's hash
+        self._parts_lock = threading.Lock()
+        self._part_locks: dict[int, threading.Lock] = {}
+        self._parts: dict[int, Counts] = {}  # installed (here, or found installed) -> what installing it did
+        self._complete = False  # every part and the install marker
+        self._done = threading.Event()  # the install a start asked for (start() or finish()) is over
         self._error: BaseException | None = None
-        self._first: tuple[frozenset[str], _Counts, str, float] | None = None  # finish_first's files, counts, sha, s
+        self._install_seconds = 0.0
 
-    def finish_first(self, files: Callable[[str], bool], *, in_child: bool = False) -> bool:
-        """Write the files ``files`` picks first (with every file of the same content), verified and linked into
-        place, no marker: what must be there soon (a background start: the files precompiled functions load), so that
-        :meth:`finish` can write the rest later. Returns whether the install is finished already (a valid marker: a
-        second start on this node). A failure fails the whole install, the target left as it was; a later failure of
-        :meth:`finish` leaves these files in place, unmarked (verified content; the next install completes them).
-        ``in_child``: the files are written by a child process (:func:`_extract_in_child`)."""
+    # ------------------------------------------------------------------------------------------------ by part
+
+    def ensure(self, owner: str, *, tier1: bool = False) -> None:
+        """Install the parts a signature of ``owner`` (:func:`kernelpack.manifest.owner`) needs: its precompiled
+        function's files, or with ``tier1`` also the inductor cache's own entries a trace of it reads. A dict lookup
+        once they are installed. Safe in any thread (no torch, nothing traced; other threads and processes wait
+        only for the same part); raises what failed, the part's files left as they were."""
+        self.install_parts(self.manifest.parts_for(owner, tier1=tier1))
+
+    def install_parts(self, indices: Collection[int], *, in_child: bool = False) -> None:
+        """Install these parts of the artifact (the ones not installed yet), each verified and linked into place
+        with its own marker (:func:`_install_part`). ``in_child``: written by a child process
+        (:func:`kernelpack.staging.extract_in_child`)."""
+        for i in sorted(set(indices)):
+            if i in self._parts:
+                continue
+            with self._parts_lock:
+                lock = self._part_locks.setdefault(i, threading.Lock())
+            with lock:
+                if i in self._parts:
+                    continue
+                start = time.perf_counter()
+                try:
+                    counts = self._install_part(i, in_child)
+                except KernelpackError as e:
+                    raise _named(e, self._path, self.artifact)  # noqa: B904  # the same error, named for the user
+                with self._parts_lock:
+                    self._install_seconds += time.perf_counter() - start
+                    self._parts[i] = counts
+
+    def _artifact_sha(self) -> str:
         with self._lock:
-            if self._done.is_set() or self._first is not None:
-                return self._done.is_set()
-            start = time.perf_counter()
-            try:
-                sha = self._sha256 or _fs.sha256_file(self._path)
-                marker = marker_path(self._target, sha)
-                if _marker_valid(marker, self._target, self.manifest, self._sha256 is not None):
-                    self._first = (frozenset(), _Counts(), sha, 0.0)
-                    with self._stack:  # done: a pinned install's descriptor is closed here
-                        self._result = self._finish()
-                    self._done.set()
-                    return True
-                picked = {rel for rel in self.manifest.files if files(rel)}
-                shas = {self.manifest.files[rel].sha256 for rel in picked}
-                # hard links join members of one content: a group goes whole into one part
-                picked |= {rel for rel, e in self.manifest.files.items() if e.sha256 in shas}
-                # a marker of its own, so that the other workers of the node skip this part while this one writes
-                # the rest (8 workers start at once: one extracts, 7 wait for the lock, then find the marker)
-                first = marker.with_name(marker.stem + ".first.json")
-                pinned = self._sha256 is not None
-                counts = _Counts()
-                if _marker_valid(first, self._target, self.manifest, pinned, only=picked):
-                    counts.kept = _kept(first)  # the final marker vouches for them too
-                else:
-                    _check_state_dir(self._target, marker)
-                    with _node_lock(self._target):
-                        if _marker_valid(first, self._target, self.manifest, pinned, only=picked):
-                            counts.kept = _kept(first)
-                        else:
-                            extract = _extract_in_child if in_child else _extract
-                            mark: tuple[Path, dict[str, object]] = (first, {"sha256": sha, "part": "first"})
-                            counts = extract(self._path, self.manifest, self._target, pinned, mark, only=picked)
-                self._first = (frozenset(picked), counts, sha, time.perf_counter() - start)
-            except BaseException as e:
-                self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
-                self._done.set()
-                with contextlib.suppress(BaseException):
-                    self._stack.close()
-                return True
-            return False
+            if self._sha256 is None:
+                start = time.perf_counter()
+                self._sha256 = _fs.sha256_file(self._path)
+                self._timings["hash"] = time.perf_counter() - start
+            return self._sha256
+
+    def _install_part(self, index: int, in_child: bool) -> Counts:
+        sha = self._artifact_sha()
+        part = self.manifest.parts[index]
+        marker = part_marker_path(self._target, sha, index)
+        target, manifest, pinned = self._target, self.manifest, self._pinned
+        if _marker_valid(marker, target, manifest, pinned, only=part.files):
+            return _found(part.files, _kept(marker))
+        _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
+        with _node_lock(target, f"{sha}.{index}"):
+            # another worker of the node may have installed it while this one waited (8 start at once: one writes)
+            if _marker_valid(marker, target, manifest, pinned, only=part.files):
+                return _found(part.files, _kept(marker))
+            if self._base is None:
+                self._base = art.parts_base(self._path)
+            write = extract_in_child if in_child else extract
+            marks = [(marker, _part_marker_data(sha, index, part), None)]
+            return write(self._path, manifest, target, pinned, marks, parts=(index,), base=self._base)
+
+    # ------------------------------------------------------------------------------------------------ whole
+
+    def start(self, owners: Collection[str], *, everything: bool, in_child: bool = False) -> None:
+        """A background start's install: the tier-2 parts of ``owners`` (what its warm-up loads), then, with
+        ``everything``, every other part (:meth:`finish`). A failure is kept for :meth:`result` and the report, not
+        raised here."""
+        try:
+            self.install_parts({i for o in owners for i in self.manifest.parts_for(o)}, in_child=in_child)
+            if everything:
+                self.finish(in_child=in_child)
+        except BaseException as e:
+            self._error = e
+        finally:
+            self._done.set()
 
     def finish(self, *, in_child: bool = False) -> InstallResult:
-        """Hash, extract and mark: the files become visible here. Idempotent; a failure leaves the cache dir as it
-        was (:func:`_extract`) and is raised again by every later call. ``in_child``: the files are written by a
-        child process (:func:`_extract_in_child`)."""
+        """Every part, then the install marker: idempotent, and a no-op (after a stat of each file) where the marker
+        says this artifact is installed here already. A failure leaves each part's files as they were (a part
+        installed before stays: verified content) and is raised again by every later call."""
         with self._lock:
-            if not self._done.is_set():
-                try:
-                    with self._stack:
-                        self._result = self._finish(in_child)
-                except BaseException as e:
-                    self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
-                finally:
-                    self._done.set()
+            done = self._complete or self._error is not None
+        if not done:
+            try:
+                self._finish(in_child)
+                with self._stack:  # done: a pinned install's descriptor is closed here
+                    pass
+            except BaseException as e:
+                self._error = _named(e, self._path, self.artifact) if isinstance(e, KernelpackError) else e
+                with contextlib.suppress(BaseException):
+                    self._stack.close()
+            finally:
+                self._done.set()
         return self.result(timeout=0)
 
+    def _finish(self, in_child: bool) -> None:
+        """Every part not installed yet in one extract, with their markers and the install's: all or nothing (a
+        bad member anywhere leaves the target as it was, as a one-frame artifact did)."""
+        target, manifest, pinned = self._target, self.manifest, self._pinned
+        sha = self._artifact_sha()
+        marker = marker_path(target, sha)
+        if _marker_valid(marker, target, manifest, pinned):
+            _fs.reap_dead(target, STAGE_PREFIX)  # what killed installers left behind
+            with self._parts_lock:
+                for i in range(len(manifest.parts)):
+                    self._parts.setdefault(i, _found(manifest.parts[i].files, _kept(marker)))
+            return
+        start = time.perf_counter()
+        _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
+        with _node_lock(target, sha):
+            if not _marker_valid(marker, target, manifest, pinned):  # another worker may have finished meanwhile
+                found: dict[int, Counts] = {}
+                for i, part in enumerate(manifest.parts):
+                    pm = part_marker_path(target, sha, i)
+                    if i in self._parts or _marker_valid(pm, target, manifest, pinned, only=part.files):
+                        found[i] = self._parts.get(i) or _found(part.files, _kept(pm))
+                missing = [i for i in range(len(manifest.parts)) if i not in found]
+                data: dict[str, object] = {
+                    "artifact": os.path.basename(self.artifact),
+                    "sha256": sha,
+                    "name": manifest.name,
+                    "files": len(manifest.files),
+                    "installed_at": time.time(),
+                }
+                marks: list[Mark] = [
+                    (part_marker_path(target, sha, i), _part_marker_data(sha, i, manifest.parts[i]), part_files)
+                    for i in missing
+                    if (part_files := frozenset(manifest.parts[i].files))
+                ]
+                # the install's own marker vouches for every file: kept ones of the parts found too
+                kept_before = sorted({k for c in found.values() for k in c.kept})
+                marks.append((marker, {**data, "kept": kept_before}, None))
+                counts = Counts()
+                if missing:
+                    if self._base is None:
+                        self._base = art.parts_base(self._path)
+                    write = extract_in_child if in_child else extract
+                    counts = write(self._path, manifest, target, pinned, marks, parts=missing, base=self._base)
+                else:
+                    write_marker(marker, {**data, "kept": kept_before})
+                with self._parts_lock:
+                    self._parts.update(found)
+                    for n, i in enumerate(missing):  # the counts of one extract, on its first part
+                        self._parts.setdefault(i, counts if n == 0 else Counts())
+            else:
+                with self._parts_lock:
+                    for i in range(len(manifest.parts)):
+                        self._parts.setdefault(i, _found(manifest.parts[i].files, _kept(marker)))
+        self._timings["extract"] = time.perf_counter() - start
+
     def result(self, timeout: float | None = None) -> InstallResult:
-        """What :meth:`finish` installed, waiting up to ``timeout`` seconds for another thread's."""
+        """What the install a start asked for (:meth:`start` or :meth:`finish`) did, waiting up to ``timeout`` seconds
+        for another thread's; the parts installed since at their signatures' first calls are counted too."""
         if not self._done.wait(timeout):
             raise InstallError(
                 self.artifact,
@@ -357,63 +436,41 @@ class Installing:
             )
         if self._error is not None:
             raise self._error
-        assert self._result is not None
-        return self._result
+        with self._parts_lock:
+            parts = list(self._parts.values())
+            seconds = self._install_seconds
+        return InstallResult(
+            artifact=self.artifact,
+            sha256=self._sha256 or "",
+            cache_dir=self.cache_dir,
+            manifest=self.manifest,
+            files=len(self.manifest.files),
+            written=sum(c.written for c in parts),
+            present=sum(c.present for c in parts),
+            kept=len({k for c in parts for k in c.kept}),
+            bytes_written=sum(c.nbytes for c in parts),
+            seconds=self._seconds + seconds,
+            noop=bool(parts) and all(c.found for c in parts),
+            mismatches=self._mismatches,
+            timings=dict(self._timings),
+            parts=len(self.manifest.parts),
+            parts_installed=len(parts),
+        )
 
     @property
     def finished(self) -> bool:
+        """Whether the install a start asked for is over (later parts install at their first call)."""
         return self._done.is_set()
 
     @property
-    def error(self) -> BaseException | None:
-        """What the finished install failed with (None: not finished, or installed)."""
-        return self._error if self._done.is_set() else None
+    def complete(self) -> bool:
+        """Whether every part of the artifact is installed (:meth:`finish`)."""
+        return self._complete
 
-    def _finish(self, in_child: bool = False) -> InstallResult:
-        start = time.perf_counter()
-        timings = dict(self._timings)
-        path, target, manifest, pinned = self._path, self._target, self.manifest, self._sha256 is not None
-        first_files, counts, sha, first_seconds = self._first or (frozenset(), _Counts(), "", 0.0)
-        if first_seconds:
-            timings["extract_first"] = first_seconds
-        sha = sha or _fs.sha256_file(path)
-        timings["hash"] = time.perf_counter() - start
-        marker = marker_path(target, sha)
-        rest = None if not first_files else frozenset(manifest.files.keys() - first_files)
-        noop = _marker_valid(marker, target, manifest, pinned)
-        if noop:
-            _fs.reap_dead(target, _STAGE_PREFIX)  # what killed installers left behind
-        else:
-            _check_state_dir(target, marker)  # before any commit: a failed install leaves the target as it was
-            with _node_lock(target):
-                # another worker may have finished while we waited
-                noop = _marker_valid(marker, target, manifest, pinned)
-                if not noop:
-                    data: dict[str, object] = {
-                        "artifact": os.path.basename(self.artifact),
-                        "sha256": sha,
-                        "name": manifest.name,
-                        "files": len(manifest.files),
-                        "installed_at": time.time(),
-                    }
-                    extract = _extract_in_child if in_child else _extract
-                    counts = extract(path, manifest, target, pinned, (marker, data), only=rest, before=counts)
-                    timings["extract"] = time.perf_counter() - start - timings["hash"]
-        return InstallResult(
-            artifact=self.artifact,
-            sha256=sha,
-            cache_dir=str(target),
-            manifest=manifest,
-            files=len(manifest.files),
-            written=counts.written,
-            present=counts.present,
-            kept=len(counts.kept),
-            bytes_written=counts.nbytes,
-            seconds=self._seconds + first_seconds + time.perf_counter() - start,
-            noop=noop,
-            mismatches=self._mismatches,
-            timings=timings,
-        )
+    @property
+    def error(self) -> BaseException | None:
+        """What the install a start asked for failed with (None: not over, or installed)."""
+        return self._error if self._done.is_set() else None
 
 
 def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
@@ -455,14 +512,6 @@ def check_cache_dir(target: Path, device_type: str = "cuda") -> None:
                 "kernels could not be loaded from it",
                 hint="choose a cache dir path without spaces, quotes or backslashes",
             )
-
-
-@dataclass(slots=True)
-class _Counts:
-    written: int = 0
-    present: int = 0
-    kept: list[str] = field(default_factory=list)  # differing entries already there, left alone
-    nbytes: int = 0
 
 
 def _check_state_dir(target: Path, marker: Path | None = None) -> None:
@@ -511,6 +560,16 @@ def _marker_valid(
     return True
 
 
+def _found(files: Collection[str], kept: Collection[str]) -> Counts:
+    """A part a marker says is installed: its files count as present (but for the kept ones), none written."""
+    kept_here = [k for k in kept if k in files]
+    return Counts(present=len(files) - len(kept_here), kept=kept_here, found=True)
+
+
+def _part_marker_data(sha: str, index: int, part: mf.Part) -> dict[str, object]:
+    return {"sha256": sha, "part": index, "owners": list(part.owners), "tier1": part.tier1}
+
+
 def _kept(marker: Path) -> list[str]:
     """The kept entries a valid marker lists (read after :func:`_marker_valid` said yes)."""
     with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
@@ -519,8 +578,9 @@ def _kept(marker: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _node_lock(target: Path) -> Iterator[None]:
-    """Serialize installs into one directory on this node, so N workers extract once.
+def _node_lock(target: Path, what: str) -> Iterator[None]:
+    """Serialize installs of ``what`` (one part of one artifact, or its marker) into one directory on this node, so
+    N workers extract it once; other parts install meanwhile.
 
     The lock only saves work: commits are no-clobber links, correct without it. So when the lock cannot be had (no
     private lock directory, a holder stuck past KERNELPACK_LOCK_TIMEOUT, or KERNELPACK_INSTALL_LOCK=0) the install
@@ -532,226 +592,10 @@ def _node_lock(target: Path) -> Iterator[None]:
             log.warning("no private lock directory for this user; installing without the node lock")
         yield
         return
-    name = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:24]
+    name = hashlib.sha256(f"{target.resolve()}\0{what}".encode()).hexdigest()[:24]
     with contextlib.ExitStack() as held:
         try:
             held.enter_context(_lock.file_lock(lock_dir / f"{name}.lock", what=f"install ({target})"))
         except LockTimeoutError as e:
             log.warning("%s; installing without it", e)
         yield
-
-
-def _extract(
-    path: str,
-    manifest: mf.Manifest,
-    target: Path,
-    pinned: bool = False,
-    mark: tuple[Path, dict[str, object]] | None = None,
-    *,
-    only: frozenset[str] | set[str] | None = None,
-    before: _Counts | None = None,
-) -> _Counts:
-    """Stage every file, verified, then link each into place without clobbering anything.
-
-    Any failure removes the staging directories and whatever this call created (files and directories), so the
-    target ends exactly as it was. ``pinned``: a differing file already at one of the artifact's paths is such a
-    failure (an unpinned install keeps it and says so). ``mark`` (the install marker's path and data, to which the
-    kept files are added) is written last, inside the same rollback: a marker that cannot be written (a full disk)
-    takes the files just committed with it, so a failed install never leaves files in place. ``only``: these files
-    alone are written (every member is still read and verified); ``before``: the counts of an earlier part of the
-    same install, which the marker's count includes.
-    """
-    stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
-    created: list[Path] = []  # directories and files this call created, in creation order
-    staged: list[tuple[Path, Path, mf.FileEntry]] = []  # (staged file, destination, entry)
-    by_rel: dict[str, Path] = {}
-    counts = dataclasses.replace(before, kept=list(before.kept)) if before is not None else _Counts()
-    try:
-        for member in art.iter_members(path, manifest):
-            if only is not None and member.path not in only:
-                if member.link_to is None:
-                    member.write(cast(IO[bytes], _Discard()))  # verified all the same: corrupt fails every part
-                continue
-            dest = destination(target, member.path)
-            root = target if dest.is_relative_to(target) else settings.triton_cache_dir()
-            assert root is not None  # destination() leaves the target only for TRITON_CACHE_DIR
-            stage = stages.get(root)
-            if stage is None:
-                _fs.makedirs(root, created)
-                stage = _fs.make_stage_dir(root, _STAGE_PREFIX)
-                stages[root] = stage
-            tmp = stage / str(len(staged))
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _fs.FILE_MODE), "wb") as f:
-                if member.link_to is not None:
-                    with open(by_rel[member.link_to], "rb") as src:
-                        shutil.copyfileobj(src, f)
-                else:
-                    member.write(f)
-            by_rel[member.path] = tmp
-            staged.append((tmp, dest, member.entry))
-        real_roots = [r.resolve() for r in stages]
-        for tmp, dest, entry in staged:
-            # checked before creating anything below it: a symlink inside the target (C/fxgraph -> /elsewhere) must
-            # not get directories made through it
-            existing = dest.parent
-            while not existing.exists() and not existing.is_symlink():
-                existing = existing.parent
-            if not any(existing.resolve().is_relative_to(r) for r in real_roots):
-                raise InstallError(
-                    str(target),
-                    f"{existing} leads outside the cache directory (a symlink); refusing to write through it",
-                )
-            _fs.makedirs(dest.parent, created)
-            if _fs.link_no_clobber(tmp, dest):
-                created.append(dest)
-                counts.written += 1
-                counts.nbytes += entry.size
-            elif not dest.is_symlink() and dest.is_file() and _fs.sha256_file(dest) == entry.sha256:
-                counts.present += 1
-            else:
-                counts.kept.append(entry.path)  # an entry already in the cache: never replaced, never followed
-                if not pinned:
-                    log.warning("kept existing %s (differs from the artifact's copy)", dest)
-        if pinned and counts.kept:
-            shown = ", ".join(counts.kept[:3]) + (f" and {len(counts.kept) - 3} more" if len(counts.kept) > 3 else "")
-            raise InstallError(
-                str(target),
-                f"{len(counts.kept)} file(s) at the pinned artifact's paths hold other content ({shown}): torch "
-                "would load them instead of the pinned ones, so nothing was installed",
-                hint="install into a cache dir only this job writes (activate(cache_dir=...), kernelpack pull "
-                "--install --cache-dir DIR), or remove those files",
-            )
-        if mark is not None:
-            _write_marker(mark[0], {**mark[1], "kept": counts.kept}, created)
-        return counts
-    except BaseException as e:
-        for stage in stages.values():
-            _fs.remove_stage_dir(stage)
-        stages.clear()
-        for p in reversed(created):
-            with contextlib.suppress(OSError):
-                p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
-        if isinstance(e, OSError) and not isinstance(e, KernelpackError):
-            raise InstallError(str(target), f"{type(e).__name__}: {e}") from e
-        raise
-    finally:
-        for stage in stages.values():
-            _fs.remove_stage_dir(stage)
-
-
-def _extract_in_child(
-    path: str,
-    manifest: mf.Manifest,
-    target: Path,
-    pinned: bool = False,
-    mark: tuple[Path, dict[str, object]] | None = None,
-    *,
-    only: frozenset[str] | set[str] | None = None,
-    before: _Counts | None = None,
-) -> _Counts:
-    """:func:`_extract` in a child process (``python -c``, kernelpack's installer and zstandard only, no torch;
-    0.1-0.2 s to start): a background start's install runs beside Dynamo's and inductor's imports, and in a thread
-    of the job's process it shares their GIL. Every file read, write, hash and zstd block releases and takes the GIL
-    back, which an importing thread holds most of the time: measured on CPU (torch 2.13, this project's 2-core
-    machine, 120 files and 62 MB), the extract took 0.5 s alone, 2.75 s in a thread beside the imports and
-    0.74-0.97 s in a child process beside them; on the H200 the DFlash artifact's took 1.6-2.3 s instead of 0.3 s.
-    The same checks and the same rollback run in the child; its error is raised here as it was raised there
-    (KernelpackError pickles its state). The child dies with this process: when its stdin closes it rolls back
-    (``_child_main``). A pinned install's descriptor is passed to the child under the same number."""
-    import pickle
-    import subprocess
-    import sys
-
-    fds: tuple[int, ...] = ()
-    if path.startswith("/proc/self/fd/"):
-        fds = (int(path.rsplit("/", 1)[1]),)
-    package_root = str(Path(__file__).resolve().parent.parent)
-    code = (
-        f"import sys; sys.path.insert(0, {package_root!r}); from kernelpack.installer import _child_main; _child_main()"
-    )
-    job = pickle.dumps((path, manifest, str(target), pinned, mark, only, before))
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=fds, close_fds=True
-        )
-    except OSError as e:
-        log.warning("kernelpack: cannot start the install's process (%s: %s); installing here", type(e).__name__, e)
-        return _extract(path, manifest, target, pinned, mark, only=only, before=before)
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        child.stdin.write(len(job).to_bytes(8, "big") + job)
-        child.stdin.flush()
-        reply = child.stdout.read()  # stdin stays open until the child is done: its end is the child's stop signal
-    except OSError:
-        reply = b""
-    finally:
-        with contextlib.suppress(OSError):
-            child.stdin.close()
-        code_ = child.wait()
-    try:
-        outcome, value = pickle.loads(reply)
-    except Exception:
-        how = f"killed by signal {-code_}" if code_ < 0 else f"exited with code {code_}"
-        raise InstallError(
-            str(target),
-            f"the install's process {how} before it finished; what it staged is removed by the next install",
-            hint="see the messages above; set KERNELPACK_INSTALL_PROCESS=0 to install in the job's process",
-        ) from None
-    if outcome == "error":
-        raise value
-    return cast(_Counts, value)
-
-
-def _child_main() -> None:
-    """The install's child process (:func:`_extract_in_child`): one job on stdin, its counts or its exception on
-    stdout. A watcher thread reads stdin to its end: the parent closing it before the job is done (the parent died,
-    or gave up) interrupts the extract, which rolls back."""
-    import _thread
-    import pickle
-    import signal
-    import sys
-
-    # The watcher stops the extract with interrupt_main(), a simulated SIGINT, which Python drops when SIGINT is
-    # ignored: a job started as `nohup job &` (a shell ignores SIGINT in its background commands) passes SIG_IGN to
-    # this child, which then finished the install after the job died instead of rolling it back.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    size = int.from_bytes(stdin.read(8), "big")
-    path, manifest, target, pinned, mark, only, before = pickle.loads(stdin.read(size))
-    done = threading.Event()
-
-    def watch() -> None:
-        stdin.read()
-        if not done.is_set():
-            _thread.interrupt_main()
-
-    threading.Thread(target=watch, daemon=True).start()
-    reply: tuple[str, object]
-    try:
-        reply = ("ok", _extract(path, manifest, Path(target), pinned, mark, only=only, before=before))
-    except BaseException as e:
-        reply = ("error", e)
-    done.set()
-    try:
-        data = pickle.dumps(reply)
-    except Exception:  # an exception that does not pickle: its type and text
-        failed = reply[1]
-        data = pickle.dumps(("error", InstallError(target, f"{type(failed).__name__}: {failed}")))
-    stdout.write(data)
-    stdout.flush()
-    os._exit(0)  # not a normal shutdown: the watcher is still blocked reading stdin (finalization would abort)
-
-
-class _Discard:
-    """A destination that keeps nothing: a member another part of the install writes is read and checked here."""
-
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-
-def _write_marker(marker: Path, data: dict[str, object], created: list[Path] | None = None) -> None:
-    try:
-        _fs.makedirs(marker.parent, created if created is not None else [])
-        _fs.write_bytes(marker, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
-    except OSError as e:
-        raise InstallError(str(marker.parent), f"cannot write the install marker: {type(e).__name__}: {e}") from e

@@ -26,6 +26,10 @@ from ._version import __version__
 from .config import MAX_CONFIGS, Config
 from .errors import ArtifactError, ConfigError, KernelpackError
 from .keys import BuildKey, differences
+from .parts import TIER1_ONLY as TIER1_ONLY  # re-exported: the manifest's readers ask it about parts
+from .parts import Part as Part
+from .parts import owner as owner
+from .parts import parse_parts
 from .recipe import check_name
 from .signature import GRAPHS, CallSignature, Graph, mask_key
 
@@ -33,7 +37,9 @@ from .signature import GRAPHS, CallSignature, Graph, mask_key
 # flipped bit in the recipe text, a timing or an unused field installed silently (34 of 60 flips at cf50a64).
 # 6: a config's id hashes every parameter (5's left out those at their defaults since ranges came), each config lists
 # its devices (no top-level device_index), recipes say graphs (no backward = true).
-FORMAT_VERSION = 6
+# 7: the archive is one zstd frame per part (:class:`Part`): a process installs the parts of the signatures it calls,
+# not the whole artifact.
+FORMAT_VERSION = 7
 
 
 SEAL = "manifest_sha256"
@@ -220,6 +226,8 @@ class Manifest:
     kernelpack_version: str = __version__
     shard: str | None = None  # "i/n" for one shard of a recipe (build --shard)
     merged_from: tuple[str, ...] = ()
+    # the archive's frames after manifest.json's, which partition ``files`` (the packer writes them; () before packing)
+    parts: tuple[Part, ...] = field(default=(), hash=False)
     # the builder's settings that enter inductor's cache keys (compiled.key_settings); empty in older artifacts
     key_settings: Mapping[str, str] = field(default_factory=dict, hash=False)
     # the coverage index, signature -> config, made on first use: reading a manifest (inspect, push, ls) needs none,
@@ -301,6 +309,14 @@ class Manifest:
     def signatures(self) -> tuple[CallSignature, ...]:
         """Every call the artifact serves, one per (config, device index, graph)."""
         return tuple(self._index)
+
+    def parts_for(self, owner_: str, *, tier1: bool = False) -> tuple[int, ...]:
+        """The indices of the parts a signature of ``owner_`` (:func:`owner`) needs: with ``tier1``, for a trace."""
+        return tuple(i for i, p in enumerate(self.parts) if p.serves(owner_, tier1=tier1))
+
+    def owners(self) -> dict[str, set[str]]:
+        """Each file's owners, as its part says (a repack or a merge keeps them)."""
+        return {rel: set(p.owners) for p in self.parts for rel in p.files}
 
     def pairs(self) -> list[tuple[BuiltConfig, int]]:
         """Every (config, device index) the artifact holds: what verify runs and the runtime covers."""
@@ -424,6 +440,11 @@ class Manifest:
             d["shard"] = self.shard
         if self.merged_from:
             d["merged_from"] = list(self.merged_from)
+        if self.parts:
+            d["parts"] = [
+                {"owners": list(p.owners), "tier1": p.tier1, "files": list(p.files), "offset": p.offset, "size": p.size}
+                for p in self.parts
+            ]
         if self.key_settings:
             d["key_settings"] = dict(self.key_settings)
         return d
@@ -501,6 +522,8 @@ class Manifest:
                 raise TypeError("created must be an integer")
             shard = data.get("shard")
             merged_from = _list(data.get("merged_from", []))
+            where = "parts"
+            parts = parse_parts(data.get("parts"), files, lambda: {c.id: c.devices for c in configs})
             where = "key_settings"
             key_settings = data.get("key_settings", {})
             if not isinstance(key_settings, dict) or not all(isinstance(v, str) for v in key_settings.values()):
@@ -517,6 +540,7 @@ class Manifest:
                 kernelpack_version=data.get("kernelpack_version", "?"),
                 shard=None if shard is None else str(shard),
                 merged_from=tuple(str(m) for m in merged_from),
+                parts=parts,
                 key_settings=key_settings,
             )
         except ConfigError as e:
@@ -736,6 +760,7 @@ def merge_manifests(manifests: Sequence[Manifest], names: Sequence[str]) -> Mani
         files=dict(sorted(files.items())),
         shard=None,
         merged_from=tuple(m.name for m in manifests),
+        parts=(),  # the packer makes the merged archive's parts from each file's owners
     )
 
 

@@ -157,6 +157,19 @@ def install_in_process() -> bool:
     return _flag("KERNELPACK_INSTALL_PROCESS", True)
 
 
+def install_used_parts() -> bool:
+    """``KERNELPACK_INSTALL``: ``used`` (the default): a background start installs the files of the signature its
+    warm-up loads, and each other signature's files at its first call (a part of the artifact: its kernels and
+    generated code, not the inductor cache's own entries unless the signature is traced): install time and disk
+    grow with what the job calls, not with the artifact. ``all``: the start installs every part in the background,
+    after the warm-up's."""
+    raw = os.environ.get("KERNELPACK_INSTALL", "")
+    value = raw.strip().lower() or "used"
+    if value not in ("used", "all"):
+        raise SettingError("KERNELPACK_INSTALL", raw, "used or all")
+    return value == "used"
+
+
 def serve_precompiled() -> bool:
     """``KERNELPACK_PRECOMPILED=0``: serve every call from the inductor cache (tier 1), loading no precompiled
     function (tier 2); the report says so for each call."""

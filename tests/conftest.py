@@ -120,13 +120,15 @@ def repack(artifact: Path, out: Path, work: Path, *, drop=lambda rel: False, **o
     from kernelpack import manifest as mf
 
     tree = work / "tree"
-    data = art.unpack(artifact, tree).to_dict()
+    source = art.unpack(artifact, tree)
+    data = source.to_dict()
+    data.pop("parts", None)  # the packer lays out the parts again, from each file's owners
     files = {rel: p for rel, p in art.scan_tree(tree).items() if not drop(rel)}
     entries = art.hash_files(files)
     for c in data["configs"]:  # a dropped precompiled function is dropped from its config's list too
         c["precompiled"] = [p for p in c.get("precompiled", []) if p["path"] in files]
     data = {**data, **overrides, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
-    art.pack(out, mf.Manifest.from_dict(data, source=str(out)), files)
+    art.pack(out, mf.Manifest.from_dict(data, source=str(out)), files, owners=source.owners())
     return out
 
 

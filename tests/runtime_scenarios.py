@@ -358,7 +358,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     # who writes the files (the install's child process, unless KERNELPACK_INSTALL_PROCESS=0) and whether inductor's
     # own torch_key is computed (not where kernelpack's reading of torch's sources matched the artifact's)
     extracted_here: list[str] = []
-    extract, key = installer._extract, warmup.inductor_torch_key
+    extract, key = installer.extract, warmup.inductor_torch_key
 
     def counted_extract(*args: Any, **kwargs: Any) -> Any:
         extracted_here.append(threading.current_thread().name)
@@ -370,7 +370,7 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
         key_reads.append(threading.current_thread().name)
         return key()
 
-    installer._extract, warmup.inductor_torch_key = counted_extract, counted_key  # type: ignore[assignment]
+    installer.extract, warmup.inductor_torch_key = counted_extract, counted_key  # type: ignore[assignment]
     if os.environ.get("KERNELPACK_TEST_MISREAD"):  # a torch whose sources kernelpack would misread
         from kernelpack._torch import inductor
 

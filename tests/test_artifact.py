@@ -47,9 +47,8 @@ def manifest_for(entries: list[mf.FileEntry], **extra: object) -> dict:
 def pack_tree(root: Path, out: Path, threads: int = -1) -> tuple[dict, list[mf.FileEntry]]:
     files = art.scan_tree(root)
     entries = art.hash_files(files)
-    manifest = manifest_for(entries)
-    art.pack(out, mf.Manifest.from_dict(manifest, source=str(out)), files, threads=threads)
-    return manifest, entries
+    _, written = art.pack(out, mf.Manifest.from_dict(manifest_for(entries), source=str(out)), files, threads=threads)
+    return written.to_dict(), entries  # as packed: with its parts
 
 
 def test_pack_is_deterministic_and_independent_of_threads(tmp_path: Path) -> None:
@@ -83,12 +82,16 @@ def test_artifact_file_mode_follows_the_umask(tmp_path: Path, umask: int, mode: 
 def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path) -> None:
     content = make_tree(tmp_path / "t")
     pack_tree(tmp_path / "t", tmp_path / "a.kpack")
-    raw = zstandard.ZstdDecompressor().decompressobj().decompress((tmp_path / "a.kpack").read_bytes())
+    data = (tmp_path / "a.kpack").read_bytes()
+    # one stream to a plain zstd reader: the frames follow each other
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True).read()
+    m = art.read_manifest(tmp_path / "a.kpack")
     with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
         members = tar.getmembers()
         assert members[0].name == "manifest.json"
         names = [m.name for m in members[1:]]
-        assert names == sorted(names) == ["cache/" + k for k in sorted(content)]
+        assert names == ["cache/" + rel for part in m.parts for rel in part.files]
+        assert sorted(names) == ["cache/" + k for k in sorted(content)]
         links = [m for m in members if m.islnk()]
         assert [(m.name, m.linkname) for m in links] == [
             ("cache/triton/0/OTHER/kernel.cubin", "cache/triton/0/HASH/kernel.cubin")
@@ -98,8 +101,20 @@ def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path)
         tar.extractall(tmp_path / "x", filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(
             tmp_path / "x"
         )
-    for rel, data in content.items():
-        assert (tmp_path / "x" / "cache" / rel).read_bytes() == data
+    for rel, blob in content.items():
+        assert (tmp_path / "x" / "cache" / rel).read_bytes() == blob
+    # each part is a frame of its own at the offset the manifest gives: read alone, it holds its files and no other
+    assert [p.tier1 for p in m.parts] == [False, True] and set(m.parts[1].files) == {
+        "fxgraph/ab/fabc/entry",
+        "aotautograd/aa/entry",
+    }
+    base = art.parts_base(tmp_path / "a.kpack")
+    for part in m.parts:
+        frame = data[base + part.offset : base + part.offset + part.size]
+        alone = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(frame), read_across_frames=False).read()
+        with tarfile.open(fileobj=io.BytesIO(alone)) as tar:
+            assert [t.name for t in tar.getmembers()] == ["cache/" + rel for rel in part.files]
+    assert base + sum(p.size for p in m.parts) < len(data)  # the tar's end, a frame of its own
 
 
 def test_read_manifest_without_extracting(tmp_path: Path) -> None:
@@ -148,16 +163,38 @@ def test_truncated_artifact_is_rejected(tmp_path: Path, cut: float) -> None:
 
 
 def raw_artifact(path: Path, manifest: dict, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
-    """Write an arbitrary (possibly hostile) archive: kernelpack's reader must judge it, not this writer."""
+    """Write an arbitrary (possibly hostile) archive: kernelpack's reader must judge it, not this writer. Laid out as
+    the packer lays it out: the manifest's frame, every member in one part's frame (the manifest's files as one
+    part, when it lists files as a list), the tar's end."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        blob = mf.seal(manifest)  # sealed as the packer would: what is tried is the reader's checks behind the seal
+        for ti, data in members:
+            tar.addfile(ti, io.BytesIO(data) if data is not None else None)
+    body = buf.getvalue()
+    cctx = zstandard.ZstdCompressor()
+    frame = cctx.compress(_without_end(body))
+    files = manifest.get("files")
+    if isinstance(files, list) and files and all(isinstance(f, dict) and isinstance(f.get("path"), str) for f in files):
+        rels = sorted(f["path"] for f in files)
+        manifest = {
+            "parts": [{"owners": [], "tier1": False, "files": rels, "offset": 0, "size": len(frame)}],
+            **manifest,
+        }
+    blob = mf.seal(manifest)  # sealed as the packer would: what is tried is the reader's checks behind the seal
+    head = io.BytesIO()
+    with tarfile.open(fileobj=head, mode="w", format=tarfile.PAX_FORMAT) as tar:
         ti = tarfile.TarInfo("manifest.json")
         ti.size = len(blob)
         tar.addfile(ti, io.BytesIO(blob))
-        for ti, data in members:
-            tar.addfile(ti, io.BytesIO(data) if data is not None else None)
-    path.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+    path.write_bytes(cctx.compress(_without_end(head.getvalue())) + frame + cctx.compress(bytes(1024)))
+
+
+def _without_end(tar_bytes: bytes) -> bytes:
+    """A tar stream without its end-of-archive blocks and record padding (all zero bytes after the last member)."""
+    n = len(tar_bytes)
+    while n >= 512 and not any(tar_bytes[n - 512 : n]):
+        n -= 512
+    return tar_bytes[:n]
 
 
 def entry(rel: str, data: bytes) -> mf.FileEntry:
@@ -280,16 +317,16 @@ def test_manifest_with_wrong_types_is_refused(tmp_path: Path, field: str, value:
 
 
 def _with_manifest(path: Path, out: Path, blob: bytes) -> None:
-    """``path``'s archive with its manifest member's bytes replaced by ``blob`` (header resized to match)."""
-    src = tarfile.open(fileobj=io.BytesIO(zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())))
+    """``path``'s archive with its manifest member's bytes replaced by ``blob`` (header resized to match): its first
+    frame rewritten, the parts' frames after it as they were (their offsets count from its end)."""
+    data = path.read_bytes()
+    end = art.parts_base(path)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst:
-        for ti in src.getmembers():
-            data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
-            if ti.name == mf.MANIFEST_NAME:
-                data, ti.size = blob, len(blob)
-            dst.addfile(ti, io.BytesIO(data) if data is not None else None)
-    out.write_bytes(zstandard.ZstdCompressor().compress(buf.getvalue()))
+        ti = tarfile.TarInfo(mf.MANIFEST_NAME)
+        ti.size = len(blob)
+        dst.addfile(ti, io.BytesIO(blob))
+    out.write_bytes(zstandard.ZstdCompressor().compress(_without_end(buf.getvalue())) + data[end:])
 
 
 def test_every_bit_flipped_in_the_manifest_is_refused_by_its_seal(tmp_path: Path) -> None:

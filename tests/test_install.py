@@ -154,6 +154,7 @@ def test_triton_files_follow_triton_cache_dir(
     m = art.read_manifest(smoke_artifact).to_dict()
     configs = [{k: v for k, v in c.items() if k != "precompiled"} for c in m["configs"]]  # not among these files
     data = {**m, "configs": configs, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    data.pop("parts")  # other files: the packer makes the parts
     art.pack(tmp_path / "t.kpack", mf.Manifest.from_dict(data, source="t.kpack"), files)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-elsewhere"))
     install(tmp_path / "t.kpack", tmp_path / "cache")
@@ -478,55 +479,88 @@ def _contents(root: Path) -> dict[str, tuple[int, str]]:
     }
 
 
+def _part_files(manifest: mf.Manifest, indices: object) -> set[str]:
+    return {rel for i in indices for rel in manifest.parts[i].files}  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "in-a-child"])
-def test_an_install_in_two_parts_writes_what_precompiled_functions_load_first(
+def test_an_install_by_parts_writes_what_each_signature_needs_and_no_more(
     smoke_artifact: Path, tmp_path: Path, in_child: bool
 ) -> None:
-    """A background start installs first what tier 2 loads (every file but inductor's FX-graph and
-    AOTAutograd entries, which only a trace reads), then the rest and the marker. After the first part: exactly
-    those files, verified, no marker; a second worker's first part finds them (its own marker) and writes nothing;
-    after both parts the tree is what a one-part install writes, and the marker makes the next install a no-op.
-    ``in_child``: the files are written by the install's child process, as a background start writes them."""
-    from kernelpack.installer import TIER1_ONLY, begin_install
+    """A start installs the files of the signatures it calls, part by part: a (config, device)'s precompiled
+    function's files (its tier-2 parts), verified, with no install marker and nothing of another config or of the
+    inductor cache's own entries (only a trace reads those: ensure(tier1=True) adds them); a second worker finds
+    them (each part's marker) and writes nothing; after every part the tree is what a one-part install writes, and
+    the marker makes the next install a no-op. ``in_child``: the files are written by the install's child process,
+    as a background start writes the first ones."""
+    from kernelpack.installer import begin_install
 
     manifest = art.read_manifest(smoke_artifact)
-    first_files = {rel for rel in manifest.files if not rel.startswith(TIER1_ONLY)}
-    assert first_files and first_files != set(manifest.files)  # the smoke artifact has both kinds
+    owners = [mf.owner(c.id, d) for c, d in manifest.pairs()]
+    assert len(owners) >= 2 and any(p.tier1 for p in manifest.parts)  # the smoke artifact has both kinds
+    first = _part_files(manifest, manifest.parts_for(owners[0]))
+    assert first and not any(rel.startswith(mf.TIER1_ONLY) for rel in first)
     one_part = tmp_path / "one-part"
     install(smoke_artifact, one_part)
     target = tmp_path / "cache"
     a, b = begin_install(smoke_artifact, target), begin_install(smoke_artifact, target)
-    assert a.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is False
-    assert _files(target) == first_files and not a.finished
+    a.start(owners[:1], everything=False, in_child=in_child)
+    assert _files(target) == first and a.finished and not a.complete
+    others = {rel for p in manifest.parts if owners[0] not in p.owners for rel in p.files}
+    assert others and not _files(target) & others  # nothing of the other config's, of either tier
     assert not marker_path(target, hashlib.sha256(smoke_artifact.read_bytes()).hexdigest()).exists()
+    started = a.result(timeout=0)
+    assert started.written == len(first) and started.parts_installed == len(manifest.parts_for(owners[0]))
     before = tree_digest(target)
-    assert b.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is False
-    assert tree_digest(target) == before
+    b.start(owners[:1], everything=False, in_child=in_child)
+    assert tree_digest(target) == before and b.result(timeout=0).noop and b.result(timeout=0).written == 0
+    a.ensure(owners[0], tier1=True)  # a trace of it: its inductor-cache entries too
+    traced = _part_files(manifest, manifest.parts_for(owners[0], tier1=True))
+    assert _files(target) == traced and traced > first
     done = a.finish(in_child=in_child)
-    assert done.written == len(manifest.files) and not done.noop and "extract_first" in done.timings
+    assert done.written == len(manifest.files) and not done.noop and done.parts_installed == len(manifest.parts)
     assert _files(target) == set(manifest.files) and _contents(target) == _contents(one_part)
     assert b.finish().noop and begin_install(smoke_artifact, target).finish().noop
-    later = begin_install(smoke_artifact, target)  # a later start on this node: done at its first part
-    assert later.finish_first(lambda rel: not rel.startswith(TIER1_ONLY)) is True and later.result(timeout=0).noop
+    later = begin_install(smoke_artifact, target)  # a later start on this node: its parts are there
+    later.start(owners, everything=False)
+    assert later.result(timeout=0).noop
 
 
 @pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "in-a-child"])
-@pytest.mark.parametrize("where", [0.5, 0.95])
-def test_a_corrupt_artifact_fails_the_first_part_with_the_target_unchanged(
-    smoke_artifact: Path, tmp_path: Path, where: float, in_child: bool
-) -> None:
-    """Every member is read and checked in each part, written or not: corruption anywhere in the stream fails the
-    first part, before a file is visible. In the install's child process too: its error is raised in the job's
-    process as the same ArtifactError, naming the artifact."""
-    from kernelpack.installer import TIER1_ONLY, begin_install
+def test_a_corrupt_part_fails_with_the_target_unchanged(smoke_artifact: Path, tmp_path: Path, in_child: bool) -> None:
+    """A part's members are each checked as they are read: a flipped byte in a part's frame fails the install of
+    that part before a file of it is visible, in the install's child process too (its error is raised in the
+    job's process as the same ArtifactError, naming the artifact); a part whose frame is whole still installs from
+    the same file, and a whole install (every part) fails on the bad one with nothing of it written."""
+    from kernelpack.installer import begin_install
 
-    bad = corrupt_copy(smoke_artifact, tmp_path / "bad.kpack", where)
+    manifest = art.read_manifest(smoke_artifact)
+    base = art.parts_base(smoke_artifact)
+    bad_index = max(range(len(manifest.parts)), key=lambda i: manifest.parts[i].size)
+    bad_part = manifest.parts[bad_index]
+    data = bytearray(smoke_artifact.read_bytes())
+    data[base + bad_part.offset + bad_part.size // 2] ^= 0xFF
+    bad = tmp_path / "bad.kpack"
+    bad.write_bytes(bytes(data))
     target = tmp_path / "cache"
     installing = begin_install(bad, target)
-    assert installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child) is True
+    owner = bad_part.owners[0]
+    if bad_part.tier1:
+        with pytest.raises(ArtifactError, match="the cache dir was left as it was"):
+            installing.ensure(owner, tier1=True)
+    else:
+        installing.start([owner], everything=False, in_child=in_child)
+        with pytest.raises(ArtifactError, match="the cache dir was left as it was"):
+            installing.result(timeout=0)
+        assert isinstance(installing.error, ArtifactError) and str(bad) in str(installing.error)
+    assert not _files(target) & set(bad_part.files)
+    whole = [i for i in range(len(manifest.parts)) if i != bad_index]
+    other = begin_install(bad, tmp_path / "other")
+    other.install_parts(whole)
+    assert _files(tmp_path / "other") == _part_files(manifest, whole)
     with pytest.raises(ArtifactError, match="the cache dir was left as it was"):
-        installing.result(timeout=0)
-    assert _files(target) == set() and isinstance(installing.error, ArtifactError)
+        begin_install(bad, tmp_path / "all").finish(in_child=in_child)
+    assert not _files(tmp_path / "all") & set(bad_part.files)
 
 
 def test_a_pinned_install_in_a_child_owns_what_it_installs(smoke_artifact: Path, tmp_path: Path) -> None:
@@ -619,7 +653,7 @@ def _big_artifact(smoke_artifact: Path, tmp_path: Path) -> Path:
         (tree / rel).write_bytes(data)
         files[rel] = mf.FileEntry(rel, len(data), hashlib.sha256(data).hexdigest())
     big = dataclasses.replace(manifest, files=dict(sorted(files.items())))
-    return art.pack(tmp_path / "big.kpack", big, {rel: tree / rel for rel in files}, level=1)
+    return art.pack(tmp_path / "big.kpack", big, {rel: tree / rel for rel in files}, level=1)[0]
 
 
 def _children(pid: int) -> list[int]:

@@ -32,6 +32,7 @@ LAYERS = {
     "config": 1,  # one point of a recipe, validated
     "recipe": 1,  # the recipe file format
     "manifest": 1,  # what an artifact holds and covers, typed
+    "parts": 1,  # the archive's parts: which files a signature needs
     "artifact": 1,  # the archive around it: pack, read, unpack, merge
     "evidence": 1,
     # mechanisms: each does one thing to files, torch or a registry; none starts a job
@@ -39,6 +40,7 @@ LAYERS = {
     "precompiled": 2,
     "masks": 2,
     "canonical": 2,
+    "staging": 2,  # an artifact's files into a cache dir: staged, verified, linked, rolled back
     "installer": 2,
     "store": 2,
     "recipe_writer": 2,  # what record writes: the recorded calls as one recipe, checked by making their masks

@@ -41,8 +41,10 @@ def _crafted(smoke_artifact: Path, out: Path, edit: Any) -> Path:
     """The smoke artifact with its manifest edited past kernelpack's own writer (a hostile artifact)."""
     import zstandard
 
-    raw = zstandard.ZstdDecompressor().stream_reader(smoke_artifact.read_bytes()).read()
-    out.write_bytes(zstandard.ZstdCompressor(level=3).compress(_rewrite(raw, edit_manifest=edit)))
+    data = smoke_artifact.read_bytes()
+    base = art.parts_base(smoke_artifact)  # the manifest's frame is rewritten; the parts' frames follow as they were
+    raw = zstandard.ZstdDecompressor().decompressobj().decompress(data[:base])
+    out.write_bytes(zstandard.ZstdCompressor(level=3).compress(_rewrite(raw, edit_manifest=edit)) + data[base:])
     return out
 
 
@@ -77,7 +79,8 @@ def test_a_pinned_pull_installs_only_the_pinned_bytes(
         main(["pull", str(reg), "--recipe", recipe, "--lock", str(lock), "--install", "--cache-dir", str(cache)]) == 0
     )
     assert _fs.sha256_file(downloads / f"{pinned}{mf.SUFFIX}") == pinned
-    assert [p.stem for p in (cache / ".kernelpack" / "installed").iterdir()] == [pinned]
+    installed = {p.stem.split(".part-")[0] for p in (cache / ".kernelpack" / "installed").iterdir()}
+    assert installed == {pinned}  # the install's marker and its parts', all of the pinned sha256
 
 
 def test_a_download_dir_another_user_can_write_is_refused(
@@ -605,7 +608,8 @@ def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_
     reg, lock = tmp_path / "reg", tmp_path / "kp.lock"
     Registry(str(reg)).push(smoke_artifact)
     assert main(["lock", str(reg), "--recipe", manifest.recipe_name, "-o", str(lock)]) == 0
-    rel = sorted(p for p in manifest.files if p.startswith(mf.PRECOMPILED_DIR))[0]
+    # the precompiled function the start's warm-up loads: a file of the part the start installs
+    rel = manifest.configs[0].precompiled[0].path
     cache = tmp_path / "cache"
     planted = destination(cache, rel)
     planted.parent.mkdir(parents=True)
@@ -626,6 +630,64 @@ def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_
     finally:
         act.warmup.done.wait(300)
         runtime.deactivate()
+
+
+def test_a_signature_installed_at_its_first_call_is_held_to_the_pinned_install_s_checks(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start installs only the files of the signature its warm-up loads; another signature's are installed at
+    its first call, from the same pinned bytes and under the same rules: a planted file at one of that part's paths
+    is an error there (the call is refused, naming the file and the install's error), nothing of that part is
+    written, the planted file is untouched, and the first signature keeps being served. Unpinned, the planted file
+    is kept (never replaced), and its bytes never load: the function's sha256 is checked when it loads."""
+    import kernelpack
+    from kernelpack import runtime
+    from kernelpack.canonical import make_inputs
+    from kernelpack.errors import KernelpackError
+    from kernelpack.installer import destination
+    from kernelpack.masks import block_mask_for
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
+    manifest = art.read_manifest(smoke_artifact)
+    reg, lock = tmp_path / "reg", tmp_path / "kp.lock"
+    Registry(str(reg)).push(smoke_artifact)
+    assert main(["lock", str(reg), "--recipe", manifest.recipe_name, "-o", str(lock)]) == 0
+    first, second = manifest.configs[0], manifest.configs[1]
+    rel = second.precompiled[0].path
+    second_part = {f for i in manifest.parts_for(mf.owner(second.id, 0)) for f in manifest.parts[i].files}
+    first_part = {f for i in manifest.parts_for(mf.owner(first.id, 0)) for f in manifest.parts[i].files}
+    calls = [(make_inputs(c.config, "cpu"), block_mask_for(c.config, "cpu")) for c in (first, second)]
+    for pinned in (True, False):
+        cache = tmp_path / f"cache-{pinned}"
+        planted = destination(cache, rel)
+        planted.parent.mkdir(parents=True)
+        planted.write_bytes(b"planted")
+        where = {"registry": str(reg), "recipe": manifest.recipe_name, "lock": lock} if pinned else {}
+        act = runtime.activate(None if pinned else smoke_artifact, cache_dir=cache, **where)
+        try:
+            inputs, bm = calls[0]
+            kernelpack.flex_attention(*inputs, block_mask=bm)
+            on_disk = {p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()}
+            on_disk = {p for p in on_disk if mf.is_shipped(p)}  # not torch's locks, not kernelpack's markers
+            # the start installed its warm-up's signature alone: nothing only the second one needs
+            assert on_disk == first_part | {rel}, sorted(on_disk ^ (first_part | {rel}))[:5]
+            assert act.install is not None and act.install.parts_installed < act.install.parts
+            inputs, bm = calls[1]
+            with pytest.raises(KernelpackError) as e:
+                kernelpack.flex_attention(*inputs, block_mask=bm)
+            text = f"{e.value} {e.value.hint}"
+            if pinned:
+                assert "hold other content" in text and rel in text, text
+                assert not {p for p in second_part - first_part if destination(cache, p).exists()} - {rel}
+            else:
+                assert "sha256" in text and "failed to load" in text, text
+            assert planted.read_bytes() == b"planted"
+            inputs, bm = calls[0]
+            kernelpack.flex_attention(*inputs, block_mask=bm)  # still served
+            report = runtime.report()
+            assert report.start_error is None and not report.compiled, report
+        finally:
+            runtime.deactivate()
 
 
 def test_outputs_are_renamed_only_over_regular_files(
@@ -786,6 +848,8 @@ def test_the_largest_manifest_the_bounds_allow_is_read_within_the_bar(smoke_arti
             configs.append({**c0, "id": Config.from_dict(params).id, "params": params, "devices": list(range(20)),
                             "precompiled": []})  # fmt: skip
         m["configs"] = configs
+        for part in m["parts"]:  # the smoke configs are gone: their parts belong to no config now
+            part["owners"] = []
 
     big = _crafted(smoke_artifact, tmp_path / "big.kpack", largest)
     assert big.stat().st_size < 1 << 20

@@ -55,6 +55,40 @@ def _recompress(raw: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=3).compress(raw)
 
 
+def _frames(original: bytes) -> list[bytes]:
+    """The artifact's zstd frames: the manifest's, one per part, the tar's end."""
+    f, out, pos = io.BytesIO(original), [], 0
+    while pos < len(original):
+        end = art._frame_end(f, pos, len(original), "a.kpack")
+        out.append(original[pos:end])
+        pos = end
+    return out
+
+
+def _raw(frame: bytes) -> bytes:
+    return zstandard.ZstdDecompressor().decompressobj().decompress(frame)
+
+
+def _assemble(manifest: dict, parts: list[bytes]) -> bytes:
+    """An artifact laid out as the packer lays it out, from a manifest and each part's tar bytes: each part
+    compressed into its frame, the manifest's offsets and sizes made to match and resealed (a lie the packer would
+    write: what is tried is the installer's checks behind the seal, not the layout's)."""
+    frames = [_recompress(p) for p in parts]
+    offset = 0
+    for part, frame in zip(manifest["parts"], frames, strict=True):
+        part["offset"], part["size"] = offset, len(frame)
+        offset += len(frame)
+    return _manifest_frame(mf.seal(manifest)) + b"".join(frames) + _recompress(bytes(1024))
+
+
+def _manifest_frame(blob: bytes) -> bytes:
+    out = io.BytesIO()
+    ti = tarfile.TarInfo(mf.MANIFEST_NAME)
+    ti.size = len(blob)
+    out.write(ti.tobuf(tarfile.PAX_FORMAT) + blob + bytes(-len(blob) % 512))
+    return _recompress(out.getvalue())
+
+
 def _flip(data: bytes, lo: int, hi: int, rng: random.Random) -> bytes:
     b = bytearray(data)
     i = rng.randrange(lo, hi)
@@ -63,21 +97,22 @@ def _flip(data: bytes, lo: int, hi: int, rng: random.Random) -> bytes:
 
 
 def _rewrite(raw: bytes, edit_manifest=None, duplicate: str | None = None) -> bytes:  # type: ignore[no-untyped-def]
-    """Rebuild the tar with an edited manifest and/or one member written twice."""
+    """Rebuild a tar (one frame's) with an edited manifest and/or one member written twice; no end blocks, as a
+    part's frame has none."""
     src = tarfile.open(fileobj=io.BytesIO(raw))
     out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
-        for ti in src.getmembers():
-            data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
-            if ti.name == mf.MANIFEST_NAME and edit_manifest is not None:
-                m = json.loads(data)  # type: ignore[arg-type]
-                edit_manifest(m)
-                # resealed: a lie the packer would write, so the installer's checks behind the seal are what is tried
-                data = mf.seal(m)
-                ti.size = len(data)
-            dst.addfile(ti, io.BytesIO(data) if data is not None else None)
-            if ti.name == duplicate:
-                dst.addfile(ti, io.BytesIO(data) if data is not None else None)
+    for ti in src.getmembers():
+        data = src.extractfile(ti).read() if ti.isreg() else None  # type: ignore[union-attr]
+        if ti.name == mf.MANIFEST_NAME and edit_manifest is not None:
+            m = json.loads(data)  # type: ignore[arg-type]
+            edit_manifest(m)
+            # resealed: a lie the packer would write, so the installer's checks behind the seal are what is tried
+            data = mf.seal(m)
+            ti.size = len(data)
+        for _ in range(2 if ti.name == duplicate else 1):
+            out.write(ti.tobuf(tarfile.PAX_FORMAT))
+            if data is not None:
+                out.write(data + bytes(-len(data) % 512))
     return out.getvalue()
 
 
@@ -105,9 +140,13 @@ KINDS = (
 )
 
 
-def mutate(original: bytes, raw: bytes, kind: str, rng: random.Random) -> bytes:
-    members = _members(raw)
-    files = [m for m in members if m.isreg() and m.size > 0 and m.name != mf.MANIFEST_NAME]
+def mutate(original: bytes, kind: str, rng: random.Random) -> bytes:
+    frames = _frames(original)
+    head, parts = _raw(frames[0]), [_raw(f) for f in frames[1:-1]]
+    manifest = json.loads(tarfile.open(fileobj=io.BytesIO(head)).extractfile(mf.MANIFEST_NAME).read())  # type: ignore[union-attr]
+    k = rng.randrange(len(parts))  # the part a member mutation lands in
+    members = _members(parts[k])
+    files = [m for m in members if m.isreg() and m.size > 0]
     if kind == "flip_compressed":
         return _flip(original, 0, len(original), rng)
     if kind == "truncate":
@@ -116,25 +155,25 @@ def mutate(original: bytes, raw: bytes, kind: str, rng: random.Random) -> bytes:
         return original + rng.randbytes(rng.randrange(1, 4096))
     if kind == "flip_tar_header":
         m = rng.choice(members)
-        return _recompress(_flip(raw, m.offset, m.offset_data, rng))
+        parts[k] = _flip(parts[k], m.offset, m.offset_data, rng)
+        return _assemble(manifest, parts)
     if kind == "flip_payload":
         m = rng.choice(files)
-        return _recompress(_flip(raw, m.offset_data, m.offset_data + m.size, rng))
-    if kind == "flip_manifest":
-        m = members[0]
-        return _recompress(_flip(raw, m.offset_data, m.offset_data + m.size, rng))
+        parts[k] = _flip(parts[k], m.offset_data, m.offset_data + m.size, rng)
+        return _assemble(manifest, parts)
+    if kind == "flip_manifest":  # not resealed: the seal must catch it
+        m = _members(head)[0]
+        return _recompress(_flip(head, m.offset_data, m.offset_data + m.size, rng)) + b"".join(frames[1:])
     if kind in ("manifest_lies_sha256", "manifest_lies_size"):
-
-        def edit(manifest: dict) -> None:
-            f = rng.choice(manifest["files"])
-            if kind == "manifest_lies_sha256":
-                f["sha256"] = hashlib.sha256(rng.randbytes(8)).hexdigest()
-            else:
-                f["size"] += rng.choice((-1, 1))
-
-        return _recompress(_rewrite(raw, edit_manifest=edit))
+        f = rng.choice(manifest["files"])
+        if kind == "manifest_lies_sha256":
+            f["sha256"] = hashlib.sha256(rng.randbytes(8)).hexdigest()
+        else:
+            f["size"] += rng.choice((-1, 1))
+        return _assemble(manifest, parts)
     if kind == "duplicate_member":
-        return _recompress(_rewrite(raw, duplicate=rng.choice(files).name))
+        parts[k] = _rewrite(parts[k], duplicate=rng.choice(files).name)
+        return _assemble(manifest, parts)
     raise AssertionError(kind)
 
 
@@ -149,7 +188,6 @@ def test_many_more_mutations(smoke_artifact: Path, tmp_path: Path) -> None:
 
 def run_mutations(smoke_artifact: Path, tmp_path: Path, count: int, seed: int) -> None:
     original = smoke_artifact.read_bytes()
-    raw = zstandard.ZstdDecompressor().decompressobj().decompress(original)
     manifest = art.read_manifest(smoke_artifact)
     rng = random.Random(seed)
     target = tmp_path / "cache"
@@ -158,7 +196,7 @@ def run_mutations(smoke_artifact: Path, tmp_path: Path, count: int, seed: int) -
     for i in range(count):
         kind = KINDS[i % len(KINDS)]
         bad = tmp_path / "m.kpack"
-        bad.write_bytes(mutate(original, raw, kind, rng))
+        bad.write_bytes(mutate(original, kind, rng))
         shutil.rmtree(target, ignore_errors=True)
         (target / "fxgraph" / "zz").mkdir(parents=True)
         (target / "fxgraph" / "zz" / "existing-entry").write_bytes(b"an entry that was there before")
@@ -230,6 +268,7 @@ def disjoint_copy(artifact: Path, out: Path, work: Path) -> Path:
     for c in data["configs"]:  # its precompiled functions moved out of kernelpack-precompiled/: not listed
         c.pop("precompiled", None)
     data = {**data, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    data.pop("parts")  # other files: the packer makes the parts
     art.pack(out, mf.Manifest.from_dict(data, source=str(out)), files)
     return out
 
@@ -429,6 +468,7 @@ def test_a_killed_push_is_never_listed(smoke_artifact: Path, tmp_path: Path) -> 
     for c in m["configs"]:  # not among these files
         c.pop("precompiled", None)
     data = {**m, "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in entries]}
+    data.pop("parts")  # other files: the packer makes the parts
     big = tmp_path / smoke_artifact.name
     art.pack(big, mf.Manifest.from_dict(data, source=str(big)), files, level=1)
     shutil.rmtree(tree)

@@ -127,7 +127,9 @@ def test_an_install_lock_held_past_the_timeout_only_costs_the_lock(smoke_artifac
     target = tmp_path / "cache"
     lock_dir = _lock.user_lock_dir()
     assert lock_dir is not None
-    name = hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:24]
+    # the whole install's lock: the cache dir and the artifact's sha256 (each part has one of its own too)
+    what = hashlib.sha256(smoke_artifact.read_bytes()).hexdigest()
+    name = hashlib.sha256(f"{target.resolve()}\0{what}".encode()).hexdigest()[:24]
     holder = hold(lock_dir / f"{name}.lock")
     try:
         r = cli("install", str(smoke_artifact), "--cache-dir", str(target), env={"KERNELPACK_LOCK_TIMEOUT": "1"})

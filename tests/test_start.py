@@ -26,8 +26,10 @@ with tempfile.TemporaryDirectory() as cache:  # a fresh node: the install is par
     returned = time.perf_counter() - t
     activation.wait()  # the whole start: the background start's install, imports and warm-up too
     seconds = time.perf_counter() - t
+    install = activation.install
     print(json.dumps({"seconds": seconds, "returned": returned, "loaded": len(activation.warmup.precompiled),
-                      "lazy": len(activation.warmup.lazy), "signatures": len(activation.covered)}))
+                      "lazy": len(activation.warmup.lazy), "signatures": len(activation.covered),
+                      "files": install.written, "bytes": install.bytes_written, "artifact_files": install.files}))
 """
 
 
@@ -73,4 +75,9 @@ def test_activate_of_16_buckets_costs_what_2_buckets_cost(tmp_path: Path) -> Non
     # what makes it so, whatever the clock says: one function loaded, the others waiting for their first call
     assert all((r["signatures"], r["loaded"], r["lazy"]) == (16, 1, 15) for r in runs[16]), runs[16]
     assert all((r["signatures"], r["loaded"], r["lazy"]) == (2, 1, 1) for r in runs[2]), runs[2]
+    # and one installed the files of the signature it loaded, not the artifact's: as many as the 2-bucket start
+    # wrote (the one bucket's own, and those every bucket's worker wrote), of 8 times as many in the artifact
+    files = {n: {(r["files"], r["bytes"]) for r in rs} for n, rs in runs.items()}
+    assert len(files[16]) == 1 and files[16] == files[2], files
+    assert runs[16][0]["artifact_files"] > 4 * runs[16][0]["files"], runs[16][0]
     assert ratio <= 1.1, {n: [round(r["seconds"], 2) for r in rs] for n, rs in runs.items()}

@@ -187,7 +187,8 @@ def activate(
     else:
         background = warmup == "background"
         if background:
-            settings.install_in_process()  # a bad value is refused here, not in the start's thread
+            # a bad value is refused here, not in the start's thread
+            settings.install_in_process(), settings.install_used_parts(), settings.load_precompiled_lazily()
         installing = _start(
             source,
             cache_dir,

@@ -31,8 +31,8 @@ from ..compiled import (
     trace_settings,
 )
 from ..errors import KernelpackError, KernelpackWarning, KeyMismatchError
-from ..installer import TIER1_ONLY, Installing
-from ..manifest import BuiltConfig, Manifest
+from ..installer import Installing
+from ..manifest import BuiltConfig, Manifest, owner
 from ..masks import block_mask_for, mask_for, score_mod_for
 from ..signature import CallSignature, mod_graph, score_mod_key
 from .attribution import LOAD_PATH, Call, measure, record_first_call
@@ -123,19 +123,25 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
 
 
 def _install_in_parts(installing: Installing, first_part: threading.Event, split: bool, in_child: bool) -> None:
-    """The install's thread: first the files precompiled functions need (every file but the inductor cache's own
-    FX-graph and AOTAutograd entries, which only a Dynamo trace reads: install only the tier that serves), then the
-    rest and the marker. Not ``split`` (tier 2 off): all in one part. The outcome is kept for
-    :meth:`Installing.result` and report(), not raised here."""
+    """The install's thread: first the files of the precompiled function the warm-up loads (the first config's, on
+    its first device: a part of the artifact; with KERNELPACK_LOAD=eager every config's), which the warm-up waits
+    for; every other part installs at the first call of a signature that needs it (:meth:`Installing.ensure`), or,
+    with KERNELPACK_INSTALL=all, here after the first. Not ``split`` (tier 2 off): every part, first. The outcome
+    is kept for :meth:`Installing.result` and report(), not raised here."""
+    manifest = installing.manifest
     try:
         if split:
-            installing.finish_first(lambda rel: not rel.startswith(TIER1_ONLY), in_child=in_child)
+            pairs = manifest.pairs() if not settings.load_precompiled_lazily() else manifest.pairs()[:1]
+            installing.start([owner(c.id, d) for c, d in pairs], everything=False, in_child=in_child)
+        else:
+            installing.start((), everything=True, in_child=in_child)
     finally:
         first_part.set()
-    try:
-        installing.finish(in_child=in_child)
-    except BaseException as e:  # the first guarded call or report() says it; a tier-1 warm-up raises it
-        log.warning("kernelpack: installing %s failed: %s: %s", installing.artifact, type(e).__name__, e)
+    if split and installing.error is None and not settings.install_used_parts():
+        try:
+            installing.finish(in_child=in_child)
+        except BaseException as e:  # the first guarded call or report() says it; a tier-1 warm-up raises it
+            log.warning("kernelpack: installing %s failed: %s: %s", installing.artifact, type(e).__name__, e)
 
 
 def warm_up(state: State, activation: Activation) -> None:
@@ -255,9 +261,12 @@ def precompiled_function(
         if loaded is not None or built is None:
             return loaded
         entry = built.precompiled_for(sig.device_index or 0, sig.graph)
-        assert entry is not None and activation.cache_dir is not None
+        assert entry is not None and activation.cache_dir is not None and activation.installing is not None
         try:
             with measure(Call(LOAD_PATH, sig)) as measured:
+                # its files first, if no call installed them yet (a part of the artifact: reads and writes files,
+                # traces nothing)
+                activation.installing.ensure(owner(built.id, sig.device_index or 0))
                 loaded = precompiled.load(Path(activation.cache_dir, entry.path), built.config.device, entry.sha256)
         except Exception as e:
             why = f"its precompiled function failed to load at its first call: {type(e).__name__}: {e}"[:1000]
@@ -307,6 +316,8 @@ def _load_precompiled(
     assert entry is not None
     try:
         with measure(Call("kernelpack warm-up", sig)) as measured:
+            if activation.installing is not None:
+                activation.installing.ensure(owner(built.id, sig.device_index or 0))
             loaded = precompiled.load(Path(activation.cache_dir, entry.path), config.device, entry.sha256)
             inputs = make_inputs(config, device, sig.graph, random=False)
             dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
@@ -327,9 +338,9 @@ def _warm_one(state: State, warm: Warmup, built: BuiltConfig, sig: CallSignature
     import torch
 
     active = state.active
-    if active is not None and active.installing is not None and not active.installing.finished:
-        # a background start's inductor-cache entries (the install's second part): a trace reads them
-        active.installing.result(settings.warmup_wait_seconds())
+    if active is not None and active.installing is not None:
+        # its inductor-cache entries too (tier 1's parts): a trace reads them
+        active.installing.ensure(owner(built.id, sig.device_index or 0), tier1=True)
     config = built.config
     inputs = make_inputs(config, device, sig.graph, random=False)
     dout = grad_output(inputs[0], random=False) if sig.graph == "fwd+bwd" else None
