@@ -360,6 +360,8 @@ class Installing:
         if not done:
             try:
                 self._finish(in_child)
+                with self._lock:
+                    self._complete = True
                 with self._stack:  # done: a pinned install's descriptor is closed here
                     pass
             except BaseException as e:
