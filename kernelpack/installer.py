@@ -421,6 +421,7 @@ class Installing:
                     self._parts.update(found)
                     for n, i in enumerate(missing):  # the counts of one extract, on its first part
                         self._parts.setdefault(i, counts if n == 0 else Counts())
+                    self._install_seconds += time.perf_counter() - start
             else:
                 with self._parts_lock:
                     for i in range(len(manifest.parts)):

@@ -520,6 +520,7 @@ def test_an_install_by_parts_writes_what_each_signature_needs_and_no_more(
     done = a.finish(in_child=in_child)
     assert done.written == len(manifest.files) and not done.noop and done.parts_installed == len(manifest.parts)
     assert a.complete and a.finish() == done  # idempotent
+    assert done.seconds >= done.timings["extract"] > 0  # the time the install says it took holds its writes
     assert _files(target) == set(manifest.files) and _contents(target) == _contents(one_part)
     assert b.finish().noop and begin_install(smoke_artifact, target).finish().noop
     later = begin_install(smoke_artifact, target)  # a later start on this node: its parts are there
