@@ -1,6 +1,6 @@
 """The ``.kpack`` artifact: a tar stream in zstd frames, ``manifest.json`` first, then the cache tree by parts.
 
-Layout, one zstd frame per row (concatenated frames are one stream to ``zstd -d`` and ``tar --zstd -x``)::
+Layout, one zstd frame per row::
 
     manifest.json                 format, versions, recipe, configs, build key, every file's size and sha256, the
                                   parts (each one's files, owners, frame offset and size), and the sha256 of all of
@@ -8,7 +8,9 @@ Layout, one zstd frame per row (concatenated frames are one stream to ``zstd -d`
     cache/<path in the cache dir> one frame per part: the files of one tier made for one set of (config, device)
     ...                           pairs (:class:`~kernelpack.manifest.Part`); in a part, one regular member per
                                   distinct content, a later file with the same content a hard-link member pointing
-                                  at the first one (tar's own dedup, so ``tar -x`` works)
+                                  at the first one (tar's own dedup). A part is compressed against its tier's first
+                                  part (the first config's), a zstd raw-content dictionary: buckets of one call are
+                                  the same kernels at other sizes
     (two zero blocks)             the tar's end
 
 A process reads the manifest's frame, then seeks to the frames of the parts its calls need: installing is
@@ -53,7 +55,7 @@ from .manifest import (
     is_shipped,
     merge_manifests,
 )
-from .parts import owner, plan_parts
+from .parts import Part, owner, plan_parts
 
 TREE_PREFIX = "cache/"
 MAX_MANIFEST_BYTES = 64 << 20
@@ -118,30 +120,23 @@ def pack(
     plan = plan_parts(list(manifest.files), manifest.owners() if owners is None else owners, everyone)
     try:
         out_path.parent.mkdir(parents=True, exist_ok=True)
+        # a dictionary part's tar bytes: in memory, to compress the parts that use it against
+        references = {p.dictionary: b"" for p in plan if p.dictionary is not None}
+        for i in references:
+            references[i] = b"".join(_part_tar(plan[i], manifest, sources))
         with tempfile.TemporaryFile(dir=out_path.parent, prefix=".kpack-parts-") as frames:
             parts = []
-            for part in plan:
+            for i, part in enumerate(plan):
                 at = frames.tell()
-                with zstandard.ZstdCompressor(compression_params=params).stream_writer(frames, closefd=False) as zw:
-                    first_with: dict[str, str] = {}  # hard links only inside a part: a part is read alone
-                    for rel in part.files:
-                        entry = manifest.files[rel]
-                        name = TREE_PREFIX + rel
-                        if entry.sha256 in first_with:
-                            ti = _tarinfo(name, 0)
-                            ti.type, ti.linkname = tarfile.LNKTYPE, first_with[entry.sha256]
-                            zw.write(_header(ti))
-                            continue
-                        first_with[entry.sha256] = name
-                        zw.write(_header(_tarinfo(name, entry.size)))
-                        with open(sources[rel], "rb") as f:
-                            n = 0
-                            while chunk := f.read(_CHUNK):
-                                n += len(chunk)
-                                zw.write(chunk)
-                        if n != entry.size:
-                            raise KernelpackError(f"{sources[rel]} changed size while it was packed ({n} bytes)")
-                        zw.write(_padding(n))
+                d = part.dictionary
+                dictionary = _dictionary(references[d]) if d is not None else None
+                cctx = zstandard.ZstdCompressor(compression_params=params, dict_data=dictionary)
+                with cctx.stream_writer(frames, closefd=False) as zw:
+                    if i in references:
+                        zw.write(references[i])
+                    else:
+                        for chunk in _part_tar(part, manifest, sources):
+                            zw.write(chunk)
                 parts.append(dataclasses.replace(part, offset=at, size=frames.tell() - at))
             manifest = dataclasses.replace(manifest, parts=tuple(parts))
             manifest_bytes = manifest.to_json()
@@ -151,13 +146,42 @@ def pack(
                 head = _header(_tarinfo(MANIFEST_NAME, len(manifest_bytes))) + manifest_bytes
                 raw.write(cctx.compress(head + _padding(len(manifest_bytes))))
                 shutil.copyfileobj(frames, raw, _CHUNK)
-                raw.write(cctx.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the tar's end: `tar -x` reads it whole
+                raw.write(cctx.compress(bytes(2 * tarfile.BLOCKSIZE)))  # the tar's end
     except OSError as e:
         raise KernelpackError(
             f"cannot write the artifact {out_path}: {type(e).__name__}: {e}",
             hint="choose a writable output directory with -o and check its free space",
         ) from e
     return out_path, manifest
+
+
+def _part_tar(part: Part, manifest: Manifest, sources: Mapping[str, Path]) -> Iterator[bytes]:
+    """A part's members as tar bytes (no end blocks: the archive's end is a frame of its own)."""
+    first_with: dict[str, str] = {}  # hard links only inside a part: a part is read alone
+    for rel in part.files:
+        entry = manifest.files[rel]
+        name = TREE_PREFIX + rel
+        if entry.sha256 in first_with:
+            ti = _tarinfo(name, 0)
+            ti.type, ti.linkname = tarfile.LNKTYPE, first_with[entry.sha256]
+            yield _header(ti)
+            continue
+        first_with[entry.sha256] = name
+        yield _header(_tarinfo(name, entry.size))
+        n = 0
+        with open(sources[rel], "rb") as f:
+            while chunk := f.read(_CHUNK):
+                n += len(chunk)
+                yield chunk
+        if n != entry.size:
+            raise KernelpackError(f"{sources[rel]} changed size while it was packed ({n} bytes, not {entry.size})")
+        yield _padding(n)
+
+
+def _dictionary(content: bytes) -> Any:
+    import zstandard
+
+    return zstandard.ZstdCompressionDict(content, dict_type=zstandard.DICT_TYPE_RAWCONTENT)
 
 
 def _header(ti: tarfile.TarInfo) -> bytes:
@@ -288,11 +312,17 @@ class Member:
 
 
 def iter_members(
-    path: str | Path, manifest: Manifest, parts: Iterable[int] | None = None, *, base: int | None = None
+    path: str | Path,
+    manifest: Manifest,
+    parts: Iterable[int] | None = None,
+    *,
+    base: int | None = None,
+    dictionaries: dict[int, bytes] | None = None,
 ) -> Iterator[Member]:
     """Yield every file of ``parts`` (indices into ``manifest.parts``; default: all), part by part in archive order,
     each checked against ``manifest`` as it is written. Each part's frame is read alone, at its offset: ``base`` is
-    where manifest.json's frame ends (:func:`parts_base`; found here when not given).
+    where manifest.json's frame ends (:func:`parts_base`; found here when not given). ``dictionaries``: the tar
+    bytes of dictionary parts decompressed already (filled here: a caller that reads more parts later keeps it).
 
     Raises :class:`ArtifactError` on any mismatch: an unknown, duplicate, missing, unsafe or oversize member, a member
     of another part, a link that does not point at an earlier member of its part with the same content, a sha256 that
@@ -310,8 +340,9 @@ def iter_members(
         size = os.fstat(raw.fileno()).st_size
         if base is None:
             base = _frame_end(raw, 0, size, path)
+        known = {} if dictionaries is None else dictionaries
         for i in indices:
-            yield from _part_members(path, raw, size, base, manifest, i)
+            yield from _part_members(path, raw, size, base, manifest, i, known)
 
 
 def parts_base(path: str | Path) -> int:
@@ -321,9 +352,8 @@ def parts_base(path: str | Path) -> int:
         return _frame_end(raw, 0, os.fstat(raw.fileno()).st_size, path)
 
 
-def _part_members(path: str, raw: IO[bytes], size: int, base: int, manifest: Manifest, index: int) -> Iterator[Member]:
-    import zstandard
-
+def _frame(path: str, raw: IO[bytes], size: int, base: int, manifest: Manifest, index: int) -> bytes:
+    """Part ``index``'s compressed frame, checked to end where the manifest says."""
     part = manifest.parts[index]
     at = base + part.offset
     if at + part.size > size:
@@ -342,11 +372,49 @@ def _part_members(path: str, raw: IO[bytes], size: int, base: int, manifest: Man
             "where manifest.json says",
             member=TREE_PREFIX + part.files[0],
         )
-    wanted = set(part.files)
+    return data
+
+
+def _limit(manifest: Manifest, part: Part) -> int:
+    """What a part's frame may expand to: its files, and room for their tar headers."""
     expanded = sum(manifest.files[rel].size for rel in part.files)
-    limit = expanded + _HEADER_SLACK + _PER_MEMBER_SLACK * (len(part.files) + 1)
+    return expanded + _HEADER_SLACK + _PER_MEMBER_SLACK * (len(part.files) + 1)
+
+
+def _decompressor(
+    path: str, raw: IO[bytes], size: int, base: int, manifest: Manifest, index: int, dictionaries: dict[int, bytes]
+) -> Any:
+    """A decoder for part ``index``'s frame: with its dictionary part's tar bytes (decompressed here once, kept in
+    ``dictionaries``), where it has one."""
+    import zstandard
+
+    d = manifest.parts[index].dictionary
+    if d is None:
+        return zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
+    if d not in dictionaries:
+        frame = _frame(path, raw, size, base, manifest, d)
+        dctx = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
+        limit = _limit(manifest, manifest.parts[d])
+        with _wrap_errors(path), dctx.stream_reader(io.BytesIO(frame), read_across_frames=False) as stream:
+            dictionaries[d] = _Budget(stream, path, limit).read()
+    return zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG, dict_data=_dictionary(dictionaries[d]))
+
+
+def _part_members(
+    path: str,
+    raw: IO[bytes],
+    size: int,
+    base: int,
+    manifest: Manifest,
+    index: int,
+    dictionaries: dict[int, bytes],
+) -> Iterator[Member]:
+    part = manifest.parts[index]
+    data = _frame(path, raw, size, base, manifest, index)
+    wanted = set(part.files)
+    limit = _limit(manifest, part)
     seen: dict[str, str] = {}  # member path -> sha256 of its verified content
-    dctx = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
+    dctx = _decompressor(path, raw, size, base, manifest, index, dictionaries)
     with dctx.stream_reader(io.BytesIO(data), read_across_frames=False) as stream, _wrap_errors(path):
         tar = tarfile.open(fileobj=_Budget(stream, path, limit), mode="r|")
         while (ti := tar.next()) is not None:

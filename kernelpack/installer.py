@@ -271,6 +271,7 @@ class Installing:
         self._pinned = sha256 is not None
         self._sha256, self._timings, self._seconds = sha256, timings, seconds
         self._base: int | None = None  # where manifest.json's frame ends (the parts' offsets count from it)
+        self._dictionaries: dict[int, bytes] = {}  # dictionary parts' tar bytes, decompressed once per process
         self._lock = threading.Lock()  # finish() and the artifact's hash
         self._parts_lock = threading.Lock()
         self._part_locks: dict[int, threading.Lock] = {}
@@ -332,9 +333,19 @@ class Installing:
                 return _found(part.files, _kept(marker))
             if self._base is None:
                 self._base = art.parts_base(self._path)
-            write = extract_in_child if in_child else extract
             marks = [(marker, _part_marker_data(sha, index, part), None)]
-            return write(self._path, manifest, target, pinned, marks, parts=(index,), base=self._base)
+            if in_child:
+                return extract_in_child(self._path, manifest, target, pinned, marks, parts=(index,), base=self._base)
+            return extract(
+                self._path,
+                manifest,
+                target,
+                pinned,
+                marks,
+                parts=(index,),
+                base=self._base,
+                dictionaries=self._dictionaries,
+            )
 
     # ------------------------------------------------------------------------------------------------ whole
 

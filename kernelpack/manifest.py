@@ -442,7 +442,14 @@ class Manifest:
             d["merged_from"] = list(self.merged_from)
         if self.parts:
             d["parts"] = [
-                {"owners": list(p.owners), "tier1": p.tier1, "files": list(p.files), "offset": p.offset, "size": p.size}
+                {
+                    "owners": list(p.owners),
+                    "tier1": p.tier1,
+                    "files": list(p.files),
+                    "offset": p.offset,
+                    "size": p.size,
+                    **({"dictionary": p.dictionary} if p.dictionary is not None else {}),
+                }
                 for p in self.parts
             ]
         if self.key_settings:

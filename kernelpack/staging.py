@@ -58,6 +58,7 @@ def extract(
     *,
     parts: Collection[int] | None = None,
     base: int | None = None,
+    dictionaries: dict[int, bytes] | None = None,
 ) -> Counts:
     """Stage every file, verified, then link each into place without clobbering anything.
 
@@ -67,7 +68,8 @@ def extract(
     vouches for, None for all; the kept ones among them are added) are written last, inside the same rollback: a
     marker that cannot be written (a full disk) takes the files just committed with it, so a failed install never
     leaves files in place. ``parts``: these parts
-    of the artifact alone (default: all), read from their frames (``base``: :func:`kernelpack.artifact.parts_base`).
+    of the artifact alone (default: all), read from their frames (``base``: :func:`kernelpack.artifact.parts_base`;
+    ``dictionaries``: :func:`kernelpack.artifact.iter_members`'s).
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
@@ -75,7 +77,7 @@ def extract(
     by_rel: dict[str, Path] = {}
     counts = Counts()
     try:
-        for member in art.iter_members(path, manifest, parts, base=base):
+        for member in art.iter_members(path, manifest, parts, base=base, dictionaries=dictionaries):
             dest = destination(target, member.path)
             root = target if dest.is_relative_to(target) else settings.triton_cache_dir()
             assert root is not None  # destination() leaves the target only for TRITON_CACHE_DIR

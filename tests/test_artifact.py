@@ -97,7 +97,7 @@ def test_layout_manifest_first_dedup_by_hard_link_fixed_metadata(tmp_path: Path)
             ("cache/triton/0/OTHER/kernel.cubin", "cache/triton/0/HASH/kernel.cubin")
         ]
         assert {(m.mtime, m.uid, m.gid, m.uname, m.gname) for m in members} == {(0, 0, 0, "", "")}
-        # a plain tar reader gets the cache tree back
+        # a plain tar reader gets the cache tree back (no config here: no part is compressed against a dictionary)
         tar.extractall(tmp_path / "x", filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(
             tmp_path / "x"
         )
@@ -528,3 +528,64 @@ def test_merge_refuses_artifacts_without_a_built_config(tmp_path: Path, capsys: 
     pack_tree(tmp_path / "t", tmp_path / "a.kpack")
     assert main(["merge", str(tmp_path / "a.kpack"), str(tmp_path / "a.kpack"), "-o", str(tmp_path / "m")]) == 1
     assert "holds a built config" in capsys.readouterr().err and not (tmp_path / "m").exists()
+
+
+def test_a_part_is_compressed_against_the_first_config_s_part_and_reads_alone(tmp_path: Path) -> None:
+    """Buckets of one call are the same kernels at other sizes: each part is compressed against the first config's
+    part of its tier (a zstd raw-content dictionary), so 8 near-copies cost little more than one, and any part still
+    reads alone (its dictionary part decompressed first, kept for the next). A dictionary part that is damaged fails
+    the parts that use it, as ArtifactErrors; a manifest whose dictionary chain has two levels is refused."""
+    import random
+
+    rng = random.Random(0)
+    kernel = rng.randbytes(256 << 10)  # incompressible alone: only the dictionary can shrink the copies
+    tree, owners = tmp_path / "t", {}
+    for i in range(8):
+        rel = f"triton/0/K{i}/kernel.cubin"
+        (tree / rel).parent.mkdir(parents=True)
+        (tree / rel).write_bytes(kernel[: 1000 * i] + bytes([i]) + kernel[1000 * i + 1 :])  # one byte differs
+        owners[rel] = {f"c{i}@0"}
+    entries = art.hash_files(art.scan_tree(tree))
+    configs = []
+    for i in range(8):
+        params = {**SMALL, "window": i + 1}
+        configs.append({"id": mf.Config.from_dict(params).id, "params": params, "devices": [0], "mask_key": "m"})
+    ids = [c["id"] for c in configs]
+    owners = {rel: {f"{ids[int(rel.split('/')[2][1:])]}@0"} for rel in owners}
+    data = manifest_for(entries, configs=configs)
+    out, m = art.pack(tmp_path / "a.kpack", mf.Manifest.from_dict(data, source="a"), art.scan_tree(tree), owners=owners)
+    reference = next(i for i, p in enumerate(m.parts) if p.owners == (f"{ids[0]}@0",))
+    assert all(p.dictionary == reference for i, p in enumerate(m.parts) if i != reference)
+    assert m.parts[reference].dictionary is None and m.parts[reference].size > 200 << 10
+    assert sum(p.size for p in m.parts) < 1.2 * m.parts[reference].size  # 7 copies for a fifth of one
+    last = len(m.parts) - 1 if reference != len(m.parts) - 1 else 0
+    dictionaries: dict[int, bytes] = {}
+    members = art.iter_members(out, m, [last], dictionaries=dictionaries)
+    member, buf = next(members), io.BytesIO()
+    member.write(buf)
+    assert list(members) == [] and buf.getvalue() == (tree / member.path).read_bytes() and set(dictionaries) == {reference}
+    assert consume(out, art.read_manifest(out)) == {rel: (tree / rel).read_bytes() for rel in owners}
+    # a damaged dictionary part: the parts compressed against it fail too, naming the artifact
+    bad = bytearray(out.read_bytes())
+    base = art.parts_base(out)
+    bad[base + m.parts[reference].offset + m.parts[reference].size // 2] ^= 0xFF
+    (tmp_path / "bad.kpack").write_bytes(bytes(bad))
+    with pytest.raises(ArtifactError):
+        consume_parts(tmp_path / "bad.kpack", m, [last])
+    # two levels of dictionaries: refused when the manifest is read
+    chained = m.to_dict()
+    chained["parts"][reference]["dictionary"] = last
+    with pytest.raises(ArtifactError, match="dictionary"):
+        mf.Manifest.from_dict(chained, source="c")
+
+
+SMALL = {
+    "device": "cpu", "mask": "sliding_window", "batch": 1, "q_heads": 1, "kv_heads": 1, "q_len": 128, "kv_len": 128,
+    "head_dim": 16, "dtype": "float32", "graphs": ["fwd"],
+}  # fmt: skip
+
+
+def consume_parts(path: Path, m: mf.Manifest, parts: list[int]) -> None:
+    for member in art.iter_members(path, m, parts):
+        if member.link_to is None:
+            member.write(io.BytesIO())
