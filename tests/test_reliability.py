@@ -65,15 +65,32 @@ def _frames(original: bytes) -> list[bytes]:
     return out
 
 
-def _raw(frame: bytes) -> bytes:
-    return zstandard.ZstdDecompressor().decompressobj().decompress(frame)
+def _raw(frame: bytes, dictionary: bytes | None = None) -> bytes:
+    raw_content = zstandard.DICT_TYPE_RAWCONTENT
+    d = None if dictionary is None else zstandard.ZstdCompressionDict(dictionary, dict_type=raw_content)
+    return zstandard.ZstdDecompressor(dict_data=d).decompressobj().decompress(frame)
+
+
+def _part_raws(manifest: dict, frames: list[bytes]) -> list[bytes]:
+    """Each part's tar bytes: a part compressed against a dictionary part read with it."""
+    plain = {i: _raw(f) for i, f in enumerate(frames) if manifest["parts"][i].get("dictionary") is None}
+    return [plain.get(i) or _raw(f, plain[manifest["parts"][i]["dictionary"]]) for i, f in enumerate(frames)]
 
 
 def _assemble(manifest: dict, parts: list[bytes]) -> bytes:
     """An artifact laid out as the packer lays it out, from a manifest and each part's tar bytes: each part
-    compressed into its frame, the manifest's offsets and sizes made to match and resealed (a lie the packer would
-    write: what is tried is the installer's checks behind the seal, not the layout's)."""
-    frames = [_recompress(p) for p in parts]
+    compressed into its frame (against its dictionary part's bytes, as given), the manifest's offsets and sizes made
+    to match and resealed (a lie the packer would write: what is tried is the installer's checks behind the seal,
+    not the layout's)."""
+
+    def compress(i: int) -> bytes:
+        d = manifest["parts"][i].get("dictionary")
+        if d is None:
+            return _recompress(parts[i])
+        dictionary = zstandard.ZstdCompressionDict(parts[d], dict_type=zstandard.DICT_TYPE_RAWCONTENT)
+        return zstandard.ZstdCompressor(level=3, dict_data=dictionary).compress(parts[i])
+
+    frames = [compress(i) for i in range(len(parts))]
     offset = 0
     for part, frame in zip(manifest["parts"], frames, strict=True):
         part["offset"], part["size"] = offset, len(frame)
@@ -142,8 +159,9 @@ KINDS = (
 
 def mutate(original: bytes, kind: str, rng: random.Random) -> bytes:
     frames = _frames(original)
-    head, parts = _raw(frames[0]), [_raw(f) for f in frames[1:-1]]
+    head = _raw(frames[0])
     manifest = json.loads(tarfile.open(fileobj=io.BytesIO(head)).extractfile(mf.MANIFEST_NAME).read())  # type: ignore[union-attr]
+    parts = _part_raws(manifest, frames[1:-1])
     k = rng.randrange(len(parts))  # the part a member mutation lands in
     members = _members(parts[k])
     files = [m for m in members if m.isreg() and m.size > 0]
