@@ -67,9 +67,8 @@ def extract(
     failure (an unpinned install keeps it and says so). ``marks`` (install markers: path, data, and the files it
     vouches for, None for all; the kept ones among them are added) are written last, inside the same rollback: a
     marker that cannot be written (a full disk) takes the files just committed with it, so a failed install never
-    leaves files in place. ``parts``: these parts
-    of the artifact alone (default: all), read from their frames (``base``: :func:`kernelpack.artifact.parts_base`;
-    ``dictionaries``: :func:`kernelpack.artifact.iter_members`'s).
+    leaves files in place. ``parts``: these parts of the artifact alone (default: all), read from their frames
+    (``base``: :func:`kernelpack.artifact.parts_base`; ``dictionaries``: :func:`kernelpack.artifact.iter_members`'s).
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order

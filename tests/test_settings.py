@@ -28,6 +28,7 @@ from kernelpack.errors import SettingError
         ("KERNELPACK_MAX_EXPANDED_BYTES", "64G", settings.max_expanded_bytes),
         ("LOCAL_RANK", "first", settings.local_rank),
         ("SOURCE_DATE_EPOCH", "yesterday", settings.source_date_epoch),
+        ("KERNELPACK_INSTALL", "some", settings.install_used_parts),
     ],
 )
 def test_a_bad_value_names_the_variable_the_value_and_what_is_expected(
@@ -37,6 +38,19 @@ def test_a_bad_value_names_the_variable_the_value_and_what_is_expected(
     with pytest.raises(SettingError) as exc:
         read()  # type: ignore[operator]
     assert str(exc.value).startswith(f"{variable}={value!r} is not ") and exc.value.hint
+
+
+def test_activate_refuses_a_bad_start_setting_before_it_starts(
+    smoke_artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A background start reads KERNELPACK_INSTALL in its install thread: a bad value is refused by activate()
+    itself, naming it, with nothing installed."""
+    from kernelpack import runtime
+
+    monkeypatch.setenv("KERNELPACK_INSTALL", "some")
+    with pytest.raises(SettingError, match="KERNELPACK_INSTALL='some'"):
+        runtime.activate(smoke_artifact, cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.py"))
 
 
 def test_values_are_read_at_call_time_and_empty_means_unset(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
