@@ -5,7 +5,8 @@
 # REPLAY_FLAGS (e.g. --import-after: the model classes imported after activate()) go to the replays only.
 # BUCKETS=512 FAMILY=mistral: the recipe is bench/varlen_train.py's buckets of 512 over 1024..16384 (31 configs, fwd
 # and fwd+bwd: 62 signatures), not a recording. RUNS (3) fresh processes per arm,
-# COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm; ALL_ARM=1 adds a KERNELPACK_INSTALL=all arm.
+# COLD_RUNS (RUNS) cold ones; MEGA=0 skips the mega-cache arm; ALL_ARM=1 adds a KERNELPACK_INSTALL=all arm; FLOOR=1
+# an sdpa arm (the job with nothing to compile or load).
 set -uo pipefail
 source bench/device_env.sh
 FAMILY=${FAMILY:-gemma3} LENGTHS=${LENGTHS:-2048,4096}
@@ -33,6 +34,12 @@ if [[ -n ${ALL_ARM:-} ]]; then
   for run in 1 2 3; do
     KERNELPACK_INSTALL=all $JOB ${REPLAY_FLAGS:-} --artifact "$art" --cache $D/cache-all-$run 2> "$OUT/replay-all-$run.log" \
       | tail -1 | sed 's/^/{"arm": "kernelpack-install-all", "line": /; s/$/}/' | tee -a "$OUT/arms.jsonl"
+  done
+fi
+# FLOOR=1: the same job with transformers' sdpa attention (nothing to compile or load): its own floor, RUNS runs
+if [[ -n ${FLOOR:-} ]]; then
+  for run in $(seq 1 ${RUNS:-3}); do
+    $JOB --attn sdpa 2> "$OUT/sdpa-$run.log" | tail -1 | sed 's/^/{"arm": "sdpa", "line": /; s/$/}/' | tee -a "$OUT/arms.jsonl"
   done
 fi
 # native: transformers' own flex_attention, cold (an empty inductor cache dir each run), warm (the first cold run's

@@ -31,7 +31,9 @@ ap.add_argument("--tiny", action="store_true")
 ap.add_argument("--family", choices=["mistral", "gemma3", "qwen3"], default="mistral")
 # flex_attention: transformers' own compiled flex path, the native arms (cold: an empty TORCHINDUCTOR_CACHE_DIR;
 # warm: the same dir again)
-ap.add_argument("--attn", choices=["kernelpack", "flex_attention"], default="kernelpack")
+# sdpa: transformers' scaled_dot_product_attention, nothing to compile or load: the job's own floor (its attention
+# is dense, so slower by the difference of one step)
+ap.add_argument("--attn", choices=["kernelpack", "flex_attention", "sdpa"], default="kernelpack")
 # --import-after: the model classes imported after activate(), as a job's imports may go; their modules register the
 # models' output classes as pytree nodes, which Dynamo's guards counted before kernelpack dropped them
 ap.add_argument("--import-after", action="store_true")
