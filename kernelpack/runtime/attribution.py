@@ -225,13 +225,26 @@ def _miss_text(record: evidence.CompileRecord, observed: Observed) -> str:
 
 
 def refuse_foreign_compile(frame: Mapping[str, Any] | None) -> None:
-    """Strict mode, as Dynamo starts compiling a flex_attention call outside kernelpack's entry (the user's own
-    ``torch.compile(flex_attention)``): refuse an uncovered call before it compiles. Dynamo re-raises the error as
+    """As Dynamo starts compiling a flex_attention call outside kernelpack's entry (the user's own
+    ``torch.compile(flex_attention)``): install every part of the artifact (that compile reads the inductor cache),
+    then, in strict mode, refuse an uncovered call before it compiles. Dynamo re-raises the error as
     ``InternalTorchDynamoError("NotPrecompiledError: ...")``. Best effort: torch runs this callback only for the
     first of compiles in flight at once; the rest are reported and warned of."""
     state = session.current()
     active = state.active
-    if active is None or not active.strict or active.manifest is None or not _is_flex_call(frame):
+    if active is None or active.manifest is None or not _is_flex_call(frame):
+        return
+    installing = active.installing
+    if installing is not None and not installing.complete:
+        # The user's own compile reads the inductor cache (tier 1: its FX-graph and AOTAutograd entries, and the
+        # kernels they name), which a start installs only for the signatures kernelpack's entry calls: the whole
+        # artifact is installed here, in the compiling thread, before Dynamo looks up the entry. A failure leaves the
+        # compile to miss, which the report shows; the start's own error is what guarded calls raise.
+        try:
+            installing.finish()
+        except Exception as e:
+            log.warning("kernelpack: installing %s for torch.compile(flex_attention) failed: %s", active.artifact, e)
+    if not active.strict:
         return
     assert frame is not None
     sig = _signature_or_none(frame)
