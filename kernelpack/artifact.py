@@ -396,7 +396,8 @@ def _decompressor(
         dctx = zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG)
         limit = _limit(manifest, manifest.parts[d])
         with _wrap_errors(path), dctx.stream_reader(io.BytesIO(frame), read_across_frames=False) as stream:
-            dictionaries[d] = _Budget(stream, path, limit).read()
+            budget = _Budget(stream, path, limit)
+            dictionaries[d] = b"".join(iter(lambda: budget.read(_CHUNK), b""))  # to its end, whatever a read returns
     return zstandard.ZstdDecompressor(max_window_size=1 << WINDOW_LOG, dict_data=_dictionary(dictionaries[d]))
 
 
