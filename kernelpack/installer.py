@@ -389,8 +389,12 @@ class Installing:
         target, manifest, pinned = self._target, self.manifest, self._pinned
         sha = self._artifact_sha()
         marker = marker_path(target, sha)
+        # what killed installers left behind, whatever they got to: a whole install reaps even where it then writes
+        # nothing (killed after every part's marker but before the install's, a re-run writes only that marker)
+        for root in (target, settings.triton_cache_dir()):
+            if root is not None:
+                _fs.reap_dead(root, STAGE_PREFIX)
         if _marker_valid(marker, target, manifest, pinned):
-            _fs.reap_dead(target, STAGE_PREFIX)  # what killed installers left behind
             with self._parts_lock:
                 for i in range(len(manifest.parts)):
                     self._parts.setdefault(i, _found(manifest.parts[i].files, _kept(marker)))

@@ -26,7 +26,7 @@ from kernelpack import manifest as mf
 from kernelpack.cli import main
 from kernelpack.config import MAX_CONFIGS
 from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
-from kernelpack.installer import install_artifact
+from kernelpack.installer import install_artifact, marker_path, part_marker_path
 from kernelpack.store import Entry, Registry, key_id
 
 
@@ -232,11 +232,20 @@ def _dead_pid() -> int:
 
 
 def test_a_no_op_install_reaps_a_killed_installers_staging_dir(smoke_artifact: Path, tmp_path: Path) -> None:
+    """Whatever the killed installer got to: the install's marker written (a no-op re-run) or every part's marker but
+    not the install's (killed between them: the re-run writes only the marker; found by CI's SIGKILL test)."""
     cache = tmp_path / "cache"
-    install_artifact(smoke_artifact, cache)
+    result = install_artifact(smoke_artifact, cache)
     stale = cache / f".kernelpack-tmp-{_fs.owner_tag().split('-')[0]}-{_dead_pid()}-x"
     stale.mkdir()
     assert install_artifact(smoke_artifact, cache).noop and not stale.exists()
+
+    marker = marker_path(cache, result.sha256)
+    marker.unlink()
+    assert all(part_marker_path(cache, result.sha256, i).is_file() for i in range(result.parts))
+    stale.mkdir()
+    again = install_artifact(smoke_artifact, cache)
+    assert again.written == 0 and marker.is_file() and not stale.exists()
 
 
 # ------------------------------------------------------------------------------------------------ 6. the index
