@@ -310,6 +310,14 @@ class Installing:
                 with self._parts_lock:
                     self._install_seconds += time.perf_counter() - start
                     self._parts[i] = counts
+                    self._drop_dictionaries()
+
+    def _drop_dictionaries(self) -> None:
+        """Every part installed: no later install reads a dictionary part's bytes (tens of MiB on a GPU artifact),
+        so they are let go. Until then they stay, so that no signature's first call decompresses them again.
+        Called under ``_parts_lock``."""
+        if len(self._parts) == len(self.manifest.parts):
+            self._dictionaries.clear()
 
     def _artifact_sha(self) -> str:
         with self._lock:
@@ -437,6 +445,7 @@ class Installing:
                     for n, i in enumerate(missing):  # the counts of one extract, on its first part
                         self._parts.setdefault(i, counts if n == 0 else Counts())
                     self._install_seconds += time.perf_counter() - start
+                    self._drop_dictionaries()
             else:
                 with self._parts_lock:
                     for i in range(len(manifest.parts)):

@@ -517,7 +517,12 @@ def test_an_install_by_parts_writes_what_each_signature_needs_and_no_more(
     a.ensure(owners[0], tier1=True)  # a trace of it: its inductor-cache entries too
     traced = _part_files(manifest, manifest.parts_for(owners[0], tier1=True))
     assert _files(target) == traced and traced > first
+    # another config's part is compressed against the first config's: its bytes are kept for the next such part
+    assert any(manifest.parts[i].dictionary is not None for i in manifest.parts_for(owners[1]))
+    a.ensure(owners[1])
+    assert a._dictionaries
     done = a.finish(in_child=in_child)
+    assert not a._dictionaries  # every part installed: nothing reads them again
     assert done.written == len(manifest.files) and not done.noop and done.parts_installed == len(manifest.parts)
     assert a.complete and a.finish() == done  # idempotent
     assert done.seconds >= done.timings["extract"] > 0  # the time the install says it took holds its writes
