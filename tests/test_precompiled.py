@@ -45,6 +45,9 @@ elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun'
         out["after_change"] = followed.serves(args)
         torch.set_num_threads(2)  # and back to the builder's
         out["back"] = followed.serves(args)
+        # loaded at the builder's count: torch's own manager serves, and its saved guards are not unpickled again
+        fresh = precompiled.Loaded(precompiled.loads(blob), "cuda")
+        out["at_builder_count"] = fresh.serves(args) and fresh._state is None
         # the frame locals the guards read, bound without inspect (Loaded._f_locals): torch's own, object for object
         ours, theirs = followed._f_locals(args), followed._fn.prepare_f_locals(**args)
         out["binds_as_torch"] = followed._bind is not None and ours.keys() == theirs.keys() and all(
@@ -93,6 +96,7 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     out = run("threads")
     assert not out["kept"] and "num_threads" in out["why"], out
     assert out["followed"] and out["equal"] and out["after_change"] and out["back"] and out["binds_as_torch"], out
+    assert out["at_builder_count"], out
     assert out["refused_in_threads"] == [], out
     assert not out["other_shape"], out
 

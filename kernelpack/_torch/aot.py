@@ -153,14 +153,11 @@ class Loaded:
         # CUDA: a guard manager per CPU thread count, built on first need and never replaced. The count is per thread
         # in torch (set_num_threads in one thread leaves a running one's as it was), so threads with different counts
         # each get theirs instead of rebuilding one for each other. None: torch's own manager, for every count.
-        self._managers: dict[int, Any] | None = None
-        self._state: Any = None
+        self._managers: dict[int, Any] | None = None if device == "cpu" else {}
+        self._state: Any = None  # the saved guards, unpickled again only to build a manager for another count
         self._lock = threading.Lock()
         self._bind = _locals_binder(fn)
         self._bind_checked = False
-        if device != "cpu":
-            self._state = _unpickling_guards(lambda: _load_guards_state(fn))
-            self._managers = {_thread_count(self._state): fn._artifacts.guard_manager}
 
     def _manager(self) -> Any:
         """The guard manager for this thread's CPU thread count; None when it cannot be built (then refused)."""
@@ -173,15 +170,29 @@ class Loaded:
                     manager = self._managers.get(threads)
                     if manager is None:
                         try:
-                            manager = _guard_manager(self._fn, self._state, threads)
+                            if self._state is None:
+                                self._state = _unpickling_guards(lambda: _load_guards_state(self._fn))
+                                self._managers.setdefault(_thread_count(self._state), self._fn._artifacts.guard_manager)
+                            manager = self._managers.get(threads) or _guard_manager(self._fn, self._state, threads)
                         except Exception:  # private torch API: a refusal (tier 1 serves), never the user's error
                             return None
                         self._managers[threads] = manager
         return manager
 
     def serves(self, arguments: Mapping[str, Any]) -> bool:
+        f_locals = self._f_locals(arguments)
+        if self._managers is not None and self._threads_now() not in self._managers:
+            # A count not seen yet. torch's own manager holds the builder's count in its global-state guard: where it
+            # passes, this count is the builder's, and the saved guards are not unpickled again (17 % of a load's
+            # time on CPU, torch 2.13: bench/later_first_call.py); only where it fails does _manager learn the
+            # builder's count and build one for this count
+            own = self._fn._artifacts.guard_manager
+            if own.check(f_locals):
+                with self._lock:
+                    self._managers.setdefault(self._threads_now(), own)
+                return True
         manager = self._manager()
-        return manager is not None and bool(manager.check(self._f_locals(arguments)))
+        return manager is not None and bool(manager.check(f_locals))
 
     def _f_locals(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """What torch's ``prepare_f_locals(**arguments)`` makes (the frame's locals its guards read), without its
