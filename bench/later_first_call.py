@@ -1,7 +1,7 @@
 """What a signature's later first call costs through kernelpack against torch's own load and call of the same
 precompiled function: kernelpack's share of a later first call, and the floor under it.
 
-    python bench/later_first_call.py ARTIFACT [--runs 3] [--calls 6]
+    python bench/later_first_call.py ARTIFACT [--runs 3] [--calls 6] [--profile]
 
 Both arms run in fresh processes, alternated, on the same configs in the same order. Each activates the artifact
 into an empty cache dir with KERNELPACK_INSTALL=all and waits for the whole install (no call installs a part, so what
@@ -13,7 +13,12 @@ a load needs is paid before the clock. Then, for ``--calls`` configs other than 
   backward for a config built for both), then a second call of the same inputs (a served call's steady cost);
 - ``torch``: the installed function's file read and loaded by torch (``torch.compiler.load_compiled_function``,
   through kernelpack's tracing-context shim where this torch needs one), then called with the same arguments,
-  torch's guard check included: what a job that loads precompiled functions itself pays, at least.
+  torch's guard check included: what a job that loads precompiled functions itself pays, at least; then, untimed
+  as a call, the function's saved guards unpickled again (what kernelpack's wrapper did at every CUDA load before
+  ``b1e5a27``).
+
+``--profile``: one more torch-arm process after the timed ones, its loads under cProfile: the shares of torch's
+guard manager build, saved-guard unpickling, compiled artifacts (its wrapper module, its C++ kernels).
 
 Prints one JSON line per process, then the medians per arm and kernelpack's difference. CPU or CUDA (the config's
 device); on CUDA every timed call ends with a synchronize.
@@ -36,7 +41,7 @@ from kernelpack._torch import aot
 from kernelpack.artifact import read_manifest
 from kernelpack.canonical import call, grad_output, make_inputs
 from kernelpack.masks import block_mask_for
-arm, path, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
+arm, path, calls, profile = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
 m = read_manifest(path)
 cuda = m.configs[0].config.device == "cuda"
 device = "cuda:0" if cuda else "cpu"
@@ -52,6 +57,10 @@ with tempfile.TemporaryDirectory() as cache:
     todo = [b for b in m.configs if b.precompiled_for(0, b.config.graphs[-1]) is not None
             and not warmed.intersection(b.signatures(0))][:calls]
     first, second = [], []
+    profiler = None
+    if profile and arm == "torch":
+        import cProfile
+        profiler = cProfile.Profile()
     for built in todo:
         c, graph = built.config, built.config.graphs[-1]
         inputs = make_inputs(c, device, graph)
@@ -70,13 +79,32 @@ with tempfile.TemporaryDirectory() as cache:
         else:
             t = time.perf_counter()
             with open(os.path.join(cache, built.precompiled_for(0, graph).path), "rb") as f:
-                fn = aot.loads(f.read())
+                blob = f.read()
+            if profiler is not None:
+                profiler.enable()
+            fn = aot.loads(blob)
+            if profiler is not None:
+                profiler.disable()
             call(fn, c, graph, inputs, bm, dout)
             sync()
             first.append(time.perf_counter() - t)
+            # what kernelpack's wrapper did on CUDA before b1e5a27 at every load: the saved guards unpickled again
+            t = time.perf_counter()
+            aot._unpickling_guards(lambda: aot._load_guards_state(fn))
+            second.append(time.perf_counter() - t)
+    shares = {}
+    if profiler is not None:  # each named torch function's share of torch's loads (cumulative, under the profiler)
+        import pstats
+        stats = pstats.Stats(profiler)
+        names = {"load_guard_manager": "guard manager build", "load_guards_state": "saved guards unpickled",
+                 "deserialize_compile_artifacts": "compiled artifacts (AOTAutograd entry, wrapper, kernels)",
+                 "_reload_python_module": "wrapper module compiled and run", "load_async": "C++ kernels' .so loaded"}
+        for (_, _, fname), row in stats.stats.items():
+            if fname in names:
+                shares[names[fname]] = round(shares.get(names[fname], 0) + row[3] / stats.total_tt, 3)
     report = runtime.report()
     print(json.dumps({"arm": arm, "configs": [b.id for b in todo], "first_call_s": first, "second_call_s": second,
-                      "compiled": len(report.compiled), "torch": torch.__version__}))
+                      "profile_shares": shares, "compiled": len(report.compiled), "torch": torch.__version__}))
 """
 
 
@@ -85,12 +113,13 @@ def main() -> None:
     p.add_argument("artifact")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--calls", type=int, default=6)
+    p.add_argument("--profile", action="store_true", help="one more torch-arm process, its loads under cProfile")
     args = p.parse_args()
     rows: dict[str, list[dict]] = {"kernelpack": [], "torch": []}
     env = {**os.environ, "KERNELPACK_INSTALL": "all"}
     for _ in range(args.runs):
         for arm in rows:
-            child = [sys.executable, "-c", CHILD, arm, args.artifact, str(args.calls)]
+            child = [sys.executable, "-c", CHILD, arm, args.artifact, str(args.calls), "0"]
             out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 sys.exit(out.stderr[-3000:])
@@ -102,6 +131,8 @@ def main() -> None:
         firsts = [s for r in rs for s in r["first_call_s"]]
         medians[arm] = statistics.median(firsts)
         seconds = [s for r in rs for s in r["second_call_s"]]
+        # kernelpack: a second call of the same inputs; torch: the saved guards unpickled again after the load
+        second = "median_second_call_ms" if arm == "kernelpack" else "median_guards_unpickled_again_ms"
         print(
             json.dumps(
                 {
@@ -110,12 +141,18 @@ def main() -> None:
                     "calls": len(firsts),
                     "median_first_call_ms": round(medians[arm] * 1000, 2),
                     "max_first_call_ms": round(max(firsts) * 1000, 2),
-                    **({"median_second_call_ms": round(statistics.median(seconds) * 1000, 2)} if seconds else {}),
+                    second: round(statistics.median(seconds) * 1000, 2),
                     "compiled": [r["compiled"] for r in rs],
                 }
             )
         )
     print(json.dumps({"kernelpack_minus_torch_ms": round((medians["kernelpack"] - medians["torch"]) * 1000, 2)}))
+    if args.profile:  # one more torch-arm process, its loads under cProfile (not among the timed runs)
+        child = [sys.executable, "-c", CHILD, "torch", args.artifact, str(args.calls), "1"]
+        out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            sys.exit(out.stderr[-3000:])
+        print(json.dumps({"profile_shares": json.loads(out.stdout.strip().splitlines()[-1])["profile_shares"]}))
 
 
 if __name__ == "__main__":
