@@ -129,6 +129,8 @@ def begin_install(
     try:
         if sha256 is not None:
             path = stack.enter_context(_pinned_copy(str(artifact), sha256))
+        else:
+            path = stack.enter_context(_held(path))
         return _begin(path, cache_dir, allow_mismatch, device_index, stack, name=str(artifact), sha256=sha256)
     except BaseException as e:
         stack.close()
@@ -142,12 +144,34 @@ def _named(e: KernelpackError, private: str, artifact: str) -> KernelpackError:
     if private != artifact:
         e.message = e.message.replace(private, artifact)
         e.args = (e.message,)
+        if getattr(e, "artifact", None) == private:
+            e.artifact = artifact  # type: ignore[attr-defined]  # ArtifactError's, KeyMismatchError's
     if isinstance(e, ArtifactError) and not (e.hint or "").endswith(_LEFT_AS_IT_WAS):
         e.hint = f"{e.hint}{_LEFT_AS_IT_WAS}"
     return e
 
 
 _LEFT_AS_IT_WAS = "; the cache dir was left as it was"
+
+
+@contextlib.contextmanager
+def _held(path: str) -> Iterator[str]:
+    """The artifact as this install opened it, until the install is over: its parts are read at their signatures'
+    first calls, minutes into a job, and must come from the file whose manifest was read, even where a rebuild has
+    renamed a new artifact onto its path or the file was removed meanwhile (their frames would not be where this
+    manifest says: every signature not installed yet would be refused). On Linux the open file (``/proc/self/fd/N``,
+    as a pinned install); elsewhere, or where it cannot be opened as a regular file, the path (reading it says why)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO at the path must not hang here
+    except OSError:
+        yield path
+        return
+    try:
+        by_fd = f"/proc/self/fd/{fd}"
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        yield by_fd if regular and os.path.exists(by_fd) else path
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -221,10 +245,10 @@ def _begin(
     mismatches = differences(built, probe(built.device_type, device_index, expected_torch_key=built.torch_key))
     timings["probe"] = time.perf_counter() - start - timings["manifest"]
     if mismatches and not allow_mismatch:
-        raise KeyMismatchError(path, mismatches)
+        raise KeyMismatchError(name, mismatches)
     if mismatches:
         warnings.warn(
-            str(KeyMismatchError(path, mismatches)) + "\ninstalling anyway (--allow-mismatch): expect cache misses",
+            str(KeyMismatchError(name, mismatches)) + "\ninstalling anyway (--allow-mismatch): expect cache misses",
             KernelpackWarning,
             stacklevel=3,
         )

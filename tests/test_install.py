@@ -533,6 +533,36 @@ def test_an_install_by_parts_writes_what_each_signature_needs_and_no_more(
     assert later.result(timeout=0).noop
 
 
+def test_parts_installed_later_come_from_the_artifact_the_install_opened(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A job's parts are installed at their signatures' first calls, minutes after its start: a new file renamed
+    onto the artifact's path meanwhile (a rebuild, as ``kernelpack build`` writes one), or the file removed, changes
+    nothing. They come from the file whose manifest the install read, in the job's process and in the install's
+    child alike; read from the path, the new file's frames are not where the manifest says."""
+    from kernelpack.installer import begin_install
+
+    manifest = art.read_manifest(smoke_artifact)
+    owners = [mf.owner(c.id, d) for c, d in manifest.pairs()]
+    path = tmp_path / "job.kpack"
+    path.write_bytes(smoke_artifact.read_bytes())
+    target = tmp_path / "cache"
+    a = begin_install(path, target)
+    a.start(owners[:1], everything=False)
+    # a rebuild: the same files under a longer name, so that every part's frame moved
+    other = repack(smoke_artifact, tmp_path / "rebuilt.kpack", tmp_path / "work", name=manifest.name + "-rebuilt" * 50)
+    os.replace(other, path)
+    later = [i for o in owners[1:] for i in manifest.parts_for(o)]
+    with pytest.raises(ArtifactError):  # what reading those parts from the path gives now
+        list(art.iter_members(str(path), manifest, later))
+    a.start(owners[1:], everything=False, in_child=True)
+    assert _files(target) == _part_files(manifest, {i for o in owners for i in manifest.parts_for(o)})
+    path.unlink()
+    done = a.finish()
+    assert done.parts_installed == len(manifest.parts)
+    one_part = tmp_path / "one-part"
+    install(smoke_artifact, one_part)
+    assert _contents(target) == _contents(one_part)
+
+
 @pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "in-a-child"])
 def test_a_corrupt_part_fails_with_the_target_unchanged(smoke_artifact: Path, tmp_path: Path, in_child: bool) -> None:
     """A part's members are each checked as they are read: a flipped byte in a part's frame fails the install of
