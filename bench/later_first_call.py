@@ -13,9 +13,10 @@ a load needs is paid before the clock. Then, for ``--calls`` configs other than 
   backward for a config built for both), then a second call of the same inputs (a served call's steady cost);
 - ``torch``: the installed function's file read and loaded by torch (``torch.compiler.load_compiled_function``,
   through kernelpack's tracing-context shim where this torch needs one), then called with the same arguments,
-  torch's guard check included: what a job that loads precompiled functions itself pays, at least; then, untimed
-  as a call, the function's saved guards unpickled again (what kernelpack's wrapper did at every CUDA load before
-  ``b1e5a27``).
+  torch's guard check included (on CUDA skipped, microseconds: it holds the builder's CPU thread count, which a
+  job's may not be; kernelpack builds a guard manager for the job's): what a job that loads precompiled functions
+  itself pays, at least; then, untimed as a call, the function's saved guards unpickled again (what kernelpack's
+  wrapper did at every CUDA load before ``b1e5a27``).
 
 ``--profile``: one more torch-arm process after the timed ones, its loads under cProfile: the shares of torch's
 guard manager build, saved-guard unpickling, compiled artifacts (its wrapper module, its C++ kernels).
@@ -85,6 +86,8 @@ with tempfile.TemporaryDirectory() as cache:
             fn = aot.loads(blob)
             if profiler is not None:
                 profiler.disable()
+            if cuda:  # torch's check holds the builder's CPU thread count (aot._guard_manager says why)
+                fn.disable_guard_check()
             call(fn, c, graph, inputs, bm, dout)
             sync()
             first.append(time.perf_counter() - t)
