@@ -183,9 +183,9 @@ class Loaded:
         f_locals = self._f_locals(arguments)
         if self._managers is not None and (threads := self._threads_now()) not in self._managers:
             # A count not seen yet. torch's own manager holds the builder's count in its global-state guard: where it
-            # passes, this count is the builder's, and the saved guards are not unpickled again (2.2 ms of a 14.8 ms
-            # load on CPU, torch 2.13: bench/later_first_call.py); only where it fails does _manager learn the
-            # builder's count and build one for this count
+            # passes, this count is the builder's, and the saved guards are not unpickled again (2.19 ms a function
+            # on CPU, torch 2.13: bench/later_first_call.py, docs/BENCHMARKS.md); only where it fails does _manager
+            # learn the builder's count and build one for this count
             own = self._fn._artifacts.guard_manager
             if own.check(f_locals):
                 with self._lock:
