@@ -268,7 +268,9 @@ def _record(tmp_path: Path, mode: str) -> Path:
 
 def _replay(artifact: Path, mode: str, tmp_path: Path) -> dict:
     cmd = [sys.executable, "train.py", mode, "--artifact", str(artifact), "--cache", str(tmp_path / f"cache-{mode}")]
-    return run_json(cmd)
+    # every thread's Python stack on a fatal signal: one replay died at interpreter exit with SIGABRT (CI, 2026-12-05;
+    # "terminate called without an active exception", not reproduced since): its stderr then says where
+    return run_json(cmd, env={"PYTHONFAULTHANDLER": "1"})
 
 
 # slow: two records, a build and two replays, about a minute; the README's test command keeps record -> build ->
