@@ -18,8 +18,9 @@ a load needs is paid before the clock. Then, for ``--calls`` configs other than 
   itself pays, at least; then, untimed as a call, the function's saved guards unpickled again (what kernelpack's
   wrapper did at every CUDA load before ``b1e5a27``).
 
-``--profile``: one more torch-arm process after the timed ones, its loads under cProfile: the shares of torch's
-guard manager build, saved-guard unpickling, compiled artifacts (its wrapper module, its C++ kernels).
+``--profile``: one more process per arm after the timed ones, under cProfile: in the torch arm its loads (the
+shares of torch's guard manager build, saved-guard unpickling, compiled artifacts: its wrapper module, its C++
+kernels), in the kernelpack arm its first calls (the same, sha256, and each kernelpack function's cumulative share).
 
 Prints one JSON line per process, then the medians per arm and kernelpack's difference. CPU or CUDA (the config's
 device); on CUDA every timed call ends with a synchronize.
@@ -59,7 +60,7 @@ with tempfile.TemporaryDirectory() as cache:
             and not warmed.intersection(b.signatures(0))][:calls]
     first, second = [], []
     profiler = None
-    if profile and arm == "torch":
+    if profile:
         import cProfile
         profiler = cProfile.Profile()
     for built in todo:
@@ -70,8 +71,12 @@ with tempfile.TemporaryDirectory() as cache:
         sync()
         if arm == "kernelpack":
             t = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             call(kernelpack.flex_attention, c, graph, inputs, bm, dout)
             sync()
+            if profiler is not None:
+                profiler.disable()
             first.append(time.perf_counter() - t)
             t = time.perf_counter()
             call(kernelpack.flex_attention, c, graph, inputs, bm, dout)
@@ -96,18 +101,31 @@ with tempfile.TemporaryDirectory() as cache:
             aot._unpickling_guards(lambda: aot._load_guards_state(fn))
             second.append(time.perf_counter() - t)
     shares = {}
-    if profiler is not None:  # each named torch function's share of torch's loads (cumulative, under the profiler)
+    if profiler is not None:  # each named function's share of the profiled time (cumulative, under the profiler)
         import pstats
         stats = pstats.Stats(profiler)
         names = {"load_guard_manager": "guard manager build", "load_guards_state": "saved guards unpickled",
                  "deserialize_compile_artifacts": "compiled artifacts (AOTAutograd entry, wrapper, kernels)",
-                 "_reload_python_module": "wrapper module compiled and run", "load_async": "C++ kernels' .so loaded"}
-        for (_, _, fname), row in stats.stats.items():
-            if fname in names:
-                shares[names[fname]] = round(shares.get(names[fname], 0) + row[3] / stats.total_tt, 3)
+                 "_reload_python_module": "wrapper module compiled and run", "load_async": "C++ kernels' .so loaded",
+                 "<built-in method _hashlib.openssl_sha256>": "sha256", "load_compiled_function": "torch's load"}
+        for (path, _, fname), row in stats.stats.items():
+            name = names.get(fname)
+            if name is None and arm == "kernelpack" and "/kernelpack/" in path:  # kernelpack's own, by function
+                name = path.split("/kernelpack/", 1)[1] + ":" + fname
+            if name is not None:
+                shares[name] = round(shares.get(name, 0) + row[3] / stats.total_tt, 3)
+        shares = {k: v for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v >= 0.01}
+        shares["profiled_s"] = round(stats.total_tt, 4)
+    if arm == "kernelpack":  # the CPU thread counts the loaded functions' guard managers were built for
+        loaded = list(a.warmup.precompiled.values())
+        shares["thread_counts"] = sorted({n for f in loaded for n in (f._managers or {})})
+        shares["guards_unpickled_again"] = sum(f._state is not None for f in loaded)
+        shares["this_thread"] = torch.get_num_threads()
     report = runtime.report()
     print(json.dumps({"arm": arm, "configs": [b.id for b in todo], "first_call_s": first, "second_call_s": second,
-                      "profile_shares": shares, "compiled": len(report.compiled), "torch": torch.__version__}))
+                      "profile_shares": shares,
+                      "function_bytes": [m.files[b.precompiled_for(0, b.config.graphs[-1]).path].size for b in todo],
+                      "compiled": len(report.compiled), "torch": torch.__version__}))
 """
 
 
@@ -116,7 +134,7 @@ def main() -> None:
     p.add_argument("artifact")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--calls", type=int, default=6)
-    p.add_argument("--profile", action="store_true", help="one more torch-arm process, its loads under cProfile")
+    p.add_argument("--profile", action="store_true", help="one more process per arm, under cProfile")
     args = p.parse_args()
     rows: dict[str, list[dict]] = {"kernelpack": [], "torch": []}
     env = {**os.environ, "KERNELPACK_INSTALL": "all"}
@@ -150,12 +168,13 @@ def main() -> None:
             )
         )
     print(json.dumps({"kernelpack_minus_torch_ms": round((medians["kernelpack"] - medians["torch"]) * 1000, 2)}))
-    if args.profile:  # one more torch-arm process, its loads under cProfile (not among the timed runs)
-        child = [sys.executable, "-c", CHILD, "torch", args.artifact, str(args.calls), "1"]
+    for arm in rows if args.profile else ():  # one more process per arm, under cProfile (not among the timed runs)
+        child = [sys.executable, "-c", CHILD, arm, args.artifact, str(args.calls), "1"]
         out = subprocess.run(child, env=env, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             sys.exit(out.stderr[-3000:])
-        print(json.dumps({"profile_shares": json.loads(out.stdout.strip().splitlines()[-1])["profile_shares"]}))
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        print(json.dumps({"arm": arm, "profile_shares": row["profile_shares"]}))
 
 
 if __name__ == "__main__":

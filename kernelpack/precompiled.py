@@ -50,7 +50,7 @@ def load(path: str | os.PathLike[str], device: str, sha256: str) -> Loaded:
             f"{path} has sha256 {got[:16]}..., not the manifest's {sha256[:16]}...: another file is at its path "
             "(changed in the cache dir after the install); not loaded"
         )
-    return Loaded(loads(blob), device)
+    return Loaded.from_bytes(blob, device)
 
 
 class PrecompiledMismatch(RuntimeError):

@@ -48,6 +48,26 @@ elif sys.argv[2] == "threads":  # a job with another CPU thread count (torchrun'
         # loaded at the builder's count: torch's own manager serves, and its saved guards are not unpickled again
         fresh = precompiled.Loaded(precompiled.loads(blob), "cuda")
         out["at_builder_count"] = fresh.serves(args) and fresh._state is None
+        # loaded at the job's count (1, not the builder's 2): torch's own manager is built for it, from the one
+        # unpickle of the load; the builder's count gets a manager from the same saved guards
+        from torch._dynamo import package
+        unpickled = []
+        def counted(*a, _theirs=package.load_guards_state, **k):
+            unpickled.append(1)
+            return _theirs(*a, **k)
+        package.load_guards_state = counted  # under kernelpack's wrapper, which from_bytes installs once
+        torch.set_num_threads(1)
+        at_job = precompiled.Loaded.from_bytes(blob, "cuda")
+        own = at_job._fn._artifacts.guard_manager
+        out["at_job_count"] = {"serves": at_job.serves(args), "own_checks": bool(own.check(at_job._f_locals(args))),
+                               "managers": sorted(at_job._managers), "unpickled": len(unpickled)}
+        torch.set_num_threads(2)
+        out["at_job_count"].update(builder=at_job.serves(args), managers_after=sorted(at_job._managers),
+                                   unpickled_after=len(unpickled))
+        torch.set_num_threads(1)
+        # any other load, after the wrapper: torch's own manager as saved (the builder's count), as before
+        plain = precompiled.loads(blob)
+        out["plain_load_fails_at_1"] = not plain.guard_check(**args)
         # the frame locals the guards read, bound without inspect (Loaded._f_locals): torch's own, object for object
         ours, theirs = followed._f_locals(args), followed._fn.prepare_f_locals(**args)
         out["binds_as_torch"] = followed._bind is not None and ours.keys() == theirs.keys() and all(
@@ -97,6 +117,11 @@ def test_a_precompiled_forward_loads_in_a_fresh_process_and_runs_without_dynamo(
     assert not out["kept"] and "num_threads" in out["why"], out
     assert out["followed"] and out["equal"] and out["after_change"] and out["back"] and out["binds_as_torch"], out
     assert out["at_builder_count"], out
+    at_job = out["at_job_count"]
+    assert at_job["serves"] and at_job["own_checks"] and at_job["managers"] == [1], out
+    assert at_job["unpickled"] == 1 and at_job["unpickled_after"] == 1, out  # one unpickle: the load's own
+    assert at_job["builder"] and at_job["managers_after"] == [1, 2], out
+    assert out["plain_load_fails_at_1"], out
     assert out["refused_in_threads"] == [], out
     assert not out["other_shape"], out
 

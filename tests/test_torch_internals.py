@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import run_json
 
+from kernelpack.precompiled import unavailable as precompiled_unavailable
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kernelpack"
 INTERNALS = PACKAGE / "_torch"
@@ -363,3 +365,42 @@ def test_triton_key_is_computed_ahead_in_a_thread_of_its_own_where_triton_is_ins
     cold = run_json([sys.executable, "-c", TRITON_KEY, "cold"])
     assert ahead["thread"] and not cold["thread"] and ahead["key"] == cold["key"], (ahead, cold)
     assert ahead["seconds"] < 0.01 and cold["seconds"] > 10 * ahead["seconds"], (ahead, cold)
+
+
+LOAD_IMPORTS = """
+import json, os, sys
+import torch
+from kernelpack import precompiled
+from kernelpack.artifact import read_manifest
+from kernelpack.installer import install_artifact
+from kernelpack._torch.inductor import import_compiler, import_loader
+cache = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+install_artifact(sys.argv[1], cache)
+built = read_manifest(sys.argv[1]).configs[0]
+entry = built.precompiled_for(0, built.config.graphs[0])
+import_compiler()
+if sys.argv[2] == "ahead":
+    import_loader({built.config.device})
+before = set(sys.modules)
+precompiled.load(os.path.join(cache, entry.path), built.config.device, entry.sha256)
+print(json.dumps({"imported_by_the_load": sorted(set(sys.modules) - before)}))
+"""
+# What a first load may still import once import_loader() ran: the module of its own generated code, and on CPU
+# the C++ toolchain's probe (torch.utils.cpp_extension, setuptools: what inductor's CPU kernels need alone)
+STILL_LOADED = ("torch._inductor.runtime.compile_tasks.", "torch.utils.", "torch._appdirs", "torch.fx.experimental.")
+
+
+@pytest.mark.skipif(precompiled_unavailable(), reason="no aot_compile in this torch")
+def test_what_a_first_load_imports_can_be_imported_ahead(smoke_artifact: Path, tmp_path: Path) -> None:
+    """A background start imports what the first precompiled load would (inductor's lowering and kernel templates,
+    jinja2, networkx) while the install writes the warm-up's files, instead of inside the load after them. On every
+    torch CI runs: without import_loader() the load imports them; with it, none of torch's compiler is left to it."""
+    def imported(mode: str) -> list[str]:
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / mode)}
+        out = run_json([sys.executable, "-c", LOAD_IMPORTS, str(smoke_artifact), mode], env=env)
+        return [m for m in out["imported_by_the_load"] if m.startswith(("torch.", "jinja2", "networkx", "sympy"))]
+
+    alone = imported("alone")
+    assert "torch._inductor.select_algorithm" in alone and "jinja2" in alone, alone
+    ahead = imported("ahead")
+    assert [m for m in ahead if not m.startswith(STILL_LOADED)] == [], ahead

@@ -13,6 +13,14 @@ What differs between torch generations, each chosen by probing:
 - torch 2.15 rewrote aot_compile.py (guard-scope seeding, a per-call re-read of guarded globals); the attributes used
   here (``_artifacts.guard_manager``, ``_artifacts.guards_state``, ``_artifacts.original_code``, ``fn``,
   ``prepare_f_locals``, ``disable_guard_check``, ``guard_check``) are the same in 2.11-2.15.
+- A CUDA function's guard manager must expect the job's CPU thread count, not the builder's (:func:`_guard_manager`).
+  torch builds one at every load, from the saved guards, with the builder's; building another for the job's meant
+  unpickling the guards again and a second build, at every load in a job whose count is not the builder's
+  (torchrun's OMP_NUM_THREADS=1): on CPU, torch 2.13, 15 % and 33 % of a 14.8 ms load (bench/later_first_call.py
+  --profile, docs/BENCHMARKS.md). :meth:`Loaded.from_bytes` has torch's own build use the
+  loading thread's count instead (:func:`_load_at`): every 2.11-2.15 ``AOTCompiledFunction.__post_init__`` reads
+  ``torch._dynamo.package.load_guards_state`` from its module at each load, so one process-wide wrapper of it,
+  which changes nothing for any other caller or thread, hands torch the state with that count.
 """
 
 from __future__ import annotations
@@ -127,6 +135,51 @@ def _tracing_context() -> Iterator[None]:
         yield
 
 
+_asked = threading.local()  # what a load in this thread asks of torch's guard-manager build (_load_at)
+_hook_lock = threading.Lock()
+
+
+def _load_at(blob: bytes, threads: int) -> tuple[Any, Any]:
+    """:func:`loads`, with torch's own guard manager built for the CPU thread count ``threads`` instead of the
+    builder's; and the saved guards torch unpickled for it (the builder's count), or None where this torch's state
+    could not be changed (then its manager holds the builder's count, as :func:`loads` makes it)."""
+    _hook_load_guards_state()
+    _asked.threads, _asked.state = threads, None
+    try:
+        return loads(blob), _asked.state
+    finally:
+        _asked.threads = _asked.state = None
+
+
+def _hook_load_guards_state() -> None:
+    """Wraps ``torch._dynamo.package.load_guards_state`` once per process: for the first call in a thread that
+    :func:`_load_at` asked (the load's own, in ``AOTCompiledFunction.__post_init__``), it returns the saved guards
+    with the asked CPU thread count and keeps the original; every other call, in any thread, gets torch's result as
+    it is. torch 2.11-2.15."""
+    from torch._dynamo import package
+
+    with _hook_lock:
+        theirs = package.load_guards_state
+        if getattr(theirs, "_kernelpack_asks", False):
+            return
+
+        def load_guards_state(*args: Any, **kwargs: Any) -> Any:
+            state = theirs(*args, **kwargs)
+            threads = getattr(_asked, "threads", None)
+            if threads is None:
+                return state
+            _asked.threads = None  # one function's guards per load (a retry in a tracing context asks again)
+            try:
+                changed = _at_thread_count(state, threads)
+            except Exception:  # private torch API: the load goes on with torch's own manager
+                return state
+            _asked.state = state
+            return changed
+
+        load_guards_state._kernelpack_asks = True  # type: ignore[attr-defined]
+        package.load_guards_state = load_guards_state
+
+
 class Loaded:
     """A loaded function, called by flex_attention's parameter names. torch's own guard check (what remains of
     Dynamo's guards once identity guards and guards on globals are dropped: shapes, strides, dtypes, grad mode,
@@ -154,10 +207,31 @@ class Loaded:
         # in torch (set_num_threads in one thread leaves a running one's as it was), so threads with different counts
         # each get theirs instead of rebuilding one for each other. None: torch's own manager, for every count.
         self._managers: dict[int, Any] | None = None if device == "cpu" else {}
-        self._state: Any = None  # the saved guards, unpickled again only to build a manager for another count
+        # the saved guards (the builder's count), to build a manager for another count: kept from the load
+        # (from_bytes), else unpickled again where a count needs it
+        self._state: Any = None
         self._lock = threading.Lock()
         self._bind = _locals_binder(fn)
         self._bind_checked = False
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, device: str = "cpu") -> Loaded:
+        """The function :func:`dumps` saved, loaded in this process (:func:`loads`). For "cuda" torch's own guard
+        manager is built for this thread's CPU thread count (where a function loads at its first call, the calling
+        thread's), and the saved guards torch unpickled for it are kept for any other count: no count a job runs at
+        costs a second unpickle, and the loading thread's none a second build."""
+        if device == "cpu":
+            return cls(loads(blob), device)
+        import torch
+
+        threads = torch.get_num_threads()
+        fn, state = _load_at(blob, threads)
+        loaded = cls(fn, device)
+        if state is not None:
+            assert loaded._managers is not None
+            loaded._state = state
+            loaded._managers[threads] = fn._artifacts.guard_manager
+        return loaded
 
     def _manager(self) -> Any:
         """The guard manager for this thread's CPU thread count; None when it cannot be built (then refused)."""
@@ -182,10 +256,11 @@ class Loaded:
     def serves(self, arguments: Mapping[str, Any]) -> bool:
         f_locals = self._f_locals(arguments)
         if self._managers is not None and (threads := self._threads_now()) not in self._managers:
-            # A count not seen yet. torch's own manager holds the builder's count in its global-state guard: where it
-            # passes, this count is the builder's, and the saved guards are not unpickled again (2.19 ms a function
-            # on CPU, torch 2.13: bench/later_first_call.py, docs/BENCHMARKS.md); only where it fails does _manager
-            # learn the builder's count and build one for this count
+            # A count not seen yet. Loaded by loads(), torch's own manager holds the builder's count in its
+            # global-state guard: where it passes, this count is the builder's, and the saved guards are not
+            # unpickled again (2.19 ms a function on CPU, torch 2.13: bench/later_first_call.py,
+            # docs/BENCHMARKS.md); only where it fails does _manager learn the builder's count and build one for
+            # this count
             own = self._fn._artifacts.guard_manager
             if own.check(f_locals):
                 with self._lock:
@@ -299,6 +374,13 @@ def _guard_manager(fn: Any, state: Any, threads: int) -> Any:
     manager, torch 2.11-2.15."""
     from torch._dynamo.package import load_guard_manager
 
+    state = _at_thread_count(state, threads)
+    return _unpickling_guards(lambda: load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__))
+
+
+def _at_thread_count(state: Any, threads: int) -> Any:
+    """Saved guards ``state`` with ``threads`` as the CPU thread count their global-state guard expects (the rest as
+    saved). torch 2.11-2.15: ``output_graph.global_state_guard``, a pybind GlobalStateGuard pickled as JSON."""
     saved = state.output_graph.global_state_guard
     values = json.loads(saved.__getstate__())
     if "num_threads" not in values:
@@ -307,5 +389,4 @@ def _guard_manager(fn: Any, state: Any, threads: int) -> Any:
     cls: Any = type(saved)
     guard = cls.__new__(cls)  # what pickle does: the pybind class restores itself from its JSON
     guard.__setstate__(json.dumps(values))
-    state = dataclasses.replace(state, output_graph=dataclasses.replace(state.output_graph, global_state_guard=guard))
-    return _unpickling_guards(lambda: load_guard_manager(state, fn._artifacts.original_code, fn.fn.__globals__))
+    return dataclasses.replace(state, output_graph=dataclasses.replace(state.output_graph, global_state_guard=guard))

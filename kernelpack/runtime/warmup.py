@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from .. import evidence, precompiled, settings
 from .._imports import importing_alone
-from .._torch.inductor import CONFIG_HINT, import_compiler, inductor_torch_key
+from .._torch.inductor import CONFIG_HINT, import_compiler, import_loader, inductor_torch_key
 from .._torch.inductor import read_as as torch_key_read_as
 from .._torch.triton import prefetch_key as prefetch_triton_key
 from ..canonical import arguments as canonical_arguments
@@ -108,6 +108,10 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
             # the warm-up needs the files precompiled functions load; the inductor cache's own entries (tier 1) come
             # after, and the warm-up waits for them only before it traces (_warm_one)
             warm.timeline["checks"] = time.perf_counter()
+            # what the first load (or trace) imports besides, while the install and Triton's key need no GIL: the
+            # wait for them was idle (0.4 s of a Mistral job's start on an H100, docs/BENCHMARKS.md)
+            import_loader({c.config.device for c in manifest.configs})
+            warm.timeline["load_imports"] = time.perf_counter()
             first_part.wait()
             warm.timeline["first_part"] = time.perf_counter()
             if installing.error is not None:
