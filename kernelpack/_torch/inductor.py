@@ -79,13 +79,14 @@ def import_loader(devices: Iterable[str]) -> None:
     """Import what a precompiled function's first load imports after :func:`import_compiler`, for functions of these
     device types ("cpu", "cuda"). A background start does this while the install writes the warm-up's files and
     Triton's key is hashed (both without the GIL), instead of after them inside the first load: 0.67 s of a 1.93 s
-    first load on CPU (torch 2.13; the rest is the load's own work and its C++ toolchain probe). A module this
-    torch or Triton lacks is skipped: the load imports what it needs."""
+    first load on CPU (torch 2.13; the rest is the load's own work and its C++ toolchain probe). A module that this
+    torch or Triton lacks, or that fails to import, is skipped: the load imports what it needs, and raises there.
+    torch 2.11-2.15."""
     modules = _LOAD_IMPORTS + (_LOAD_IMPORTS_CUDA if "cuda" in devices else ())
     for module in modules:
         try:
             importlib.import_module(module)
-        except ImportError:
+        except Exception:  # ahead of time only: the load imports it again and says what failed
             continue
 
 
