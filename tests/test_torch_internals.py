@@ -395,6 +395,7 @@ def test_what_a_first_load_imports_can_be_imported_ahead(smoke_artifact: Path, t
     """A background start imports what the first precompiled load would (inductor's lowering and kernel templates,
     jinja2, networkx) while the install writes the warm-up's files, instead of inside the load after them. On every
     torch CI runs: without import_loader() the load imports them; with it, none of torch's compiler is left to it."""
+
     def imported(mode: str) -> list[str]:
         env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / mode)}
         out = run_json([sys.executable, "-c", LOAD_IMPORTS, str(smoke_artifact), mode], env=env)
