@@ -256,13 +256,13 @@ class Loaded:
     def serves(self, arguments: Mapping[str, Any]) -> bool:
         f_locals = self._f_locals(arguments)
         if self._managers is not None and (threads := self._threads_now()) not in self._managers:
-            # A count not seen yet. Loaded by loads(), torch's own manager holds the builder's count in its
-            # global-state guard: where it passes, this count is the builder's, and the saved guards are not
-            # unpickled again (2.19 ms a function on CPU, torch 2.13: bench/later_first_call.py,
-            # docs/BENCHMARKS.md); only where it fails does _manager learn the builder's count and build one for
-            # this count
+            # A count not seen yet. Without the saved guards at hand (loaded by loads()), torch's own manager holds
+            # the builder's count in its global-state guard: where it passes, this count is the builder's, and the
+            # saved guards are not unpickled again (2.19 ms a function on CPU, torch 2.13:
+            # bench/later_first_call.py, docs/BENCHMARKS.md); only where it fails does _manager learn the builder's
+            # count and build one for this count. With them (from_bytes), _manager builds one from them at once.
             own = self._fn._artifacts.guard_manager
-            if own.check(f_locals):
+            if self._state is None and own.check(f_locals):
                 with self._lock:
                     self._managers.setdefault(threads, own)
                 return True
