@@ -10,6 +10,9 @@
 #   later     bench/later_first_call.py on the artifacts the parts before it built (a later first call through
 #             kernelpack against torch's own load and call of the same function), RUNS runs of CALLS (8) calls each;
 #             LATER_ARGS more arguments (--profile); OMP1=1 the same again with OMP_NUM_THREADS=1 (torchrun's workers)
+#   switch    a 1-config artifact (Mistral at 8192, fwd and fwd+bwd), then bench/tf_train_step.py on it, RUNS (3)
+#             rounds of KERNELPACK_START_SWITCH_INTERVAL=0 (Python's 5 ms) and 0.0005 (the default) alternated: the
+#             start's timeline and its clock with and without the lowered thread switch interval
 #   tests     the GPU tests TESTS selects (a pytest -k expression; all of tests/test_gpu.py without it)
 #   bash bench/start_h200.sh                      # PARTS="dflash qwen3"
 # Each part's summary lines are printed; $OUT/start.tgz holds every part's files.
@@ -35,6 +38,16 @@ for part in ${PARTS:-dflash qwen3}; do
         env ${omp:+OMP_NUM_THREADS=$omp} timeout ${PART_TIMEOUT:-290} python3 bench/later_first_call.py "$a" --runs ${RUNS:-3} \
           --calls ${CALLS:-8} ${LATER_ARGS:-}
       done; done) > $W/$part/run.log 2>&1 ;;
+    switch) (source bench/device_env.sh > /dev/null; rm -rf /tmp/sw; mkdir -p /tmp/sw
+      python3 bench/varlen_train.py --write-recipe /tmp/sw/r.toml --multiple 2048 --min 8192 --max 8192 \
+        --graphs fwd,fwd+bwd && python3 -m kernelpack.cli build /tmp/sw/r.toml -o /tmp/sw/out --jobs 2 || exit 1
+      art=$(ls /tmp/sw/out/*.kpack)
+      for run in $(seq 1 ${RUNS:-3}); do for iv in 0 0.0005; do
+        KERNELPACK_START_SWITCH_INTERVAL=$iv python3 bench/tf_train_step.py --family mistral --lengths 8192 \
+          --artifact "$art" --cache /tmp/sw/cache-$iv-$run 2> $W/$part/replay-$iv-$run.log | tail -1 \
+          | sed "s/^/{\"interval\": \"$iv\", \"line\": /; s/\$/}/"
+      done; done) > $W/$part/run.log 2>&1
+      python3 bench/switch_summary.py $W/$part/run.log ;;
     tests) (source bench/device_env.sh > /dev/null
       timeout ${PART_TIMEOUT:-400} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ${TESTS:+-k "$TESTS"}) \
       > $W/$part/run.log 2>&1; tail -4 $W/$part/run.log ;;

@@ -14,6 +14,7 @@ A bad value is a :class:`SettingError` naming the variable, its value and what i
 | ``KERNELPACK_INSTALL_PROCESS``   | ``1``                                     | install (``0``: in a thread)    |
 | ``KERNELPACK_LOCK_TIMEOUT``      | ``600``                                   | every file lock                 |
 | ``KERNELPACK_MAX_EXPANDED_BYTES``| ``68719476736`` (64 GiB)                  | reading artifacts               |
+| ``KERNELPACK_START_SWITCH_INTERVAL`` | ``0.0005``                            | a background start's imports    |
 | ``KERNELPACK_WARMUP_WAIT_SECONDS`` | ``900``                                 | calls during a background warm-up |
 | ``KERNELPACK_WORKER_EVENTS``     | none (set by kernelpack for its workers)  | a worker's progress events      |
 
@@ -216,6 +217,17 @@ def max_expanded_bytes() -> int:
 def warmup_wait_seconds() -> float:
     """``KERNELPACK_WARMUP_WAIT_SECONDS``: how long a guarded call waits for ``activate(warmup="background")``."""
     return _seconds("KERNELPACK_WARMUP_WAIT_SECONDS", 900.0)
+
+
+def start_switch_interval() -> float:
+    """``KERNELPACK_START_SWITCH_INTERVAL``: seconds of Python's thread switch interval (``sys.setswitchinterval``)
+    while a background start imports torch's compiler beside the threads that hash Triton's key and write the
+    install; ``0`` leaves the process's own (Python's default is 0.005). Restored when the imports are done."""
+    seconds = _seconds("KERNELPACK_START_SWITCH_INTERVAL", 0.0005)
+    if seconds > 1:  # Python takes up to ~4294 s; anything near a second only starves the start's other threads
+        name = "KERNELPACK_START_SWITCH_INTERVAL"
+        raise SettingError(name, os.environ[name], "a number of seconds from 0 to 1")
+    return seconds
 
 
 def local_rank() -> int | None:

@@ -353,8 +353,10 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     from kernelpack.runtime import warmup
 
     imported_by: dict[str, str] = {}
+    switch_intervals = {"before": sys.getswitchinterval()}  # and while the start's thread imports Dynamo
     for name in ("torch._dynamo", "torch._inductor.codecache"):
         _imports.after_import(name, lambda m: imported_by.setdefault(m.__name__, threading.current_thread().name))
+    _imports.after_import("torch._dynamo", lambda m: switch_intervals.setdefault("importing", sys.getswitchinterval()))
     # who writes the files (the install's child process, unless KERNELPACK_INSTALL_PROCESS=0) and whether inductor's
     # own torch_key is computed (not where kernelpack's reading of torch's sources matched the artifact's)
     extracted_here: list[str] = []
@@ -397,9 +399,11 @@ def background(artifact: str, cache: str) -> dict[str, Any]:
     for t in ts:
         t.join(timeout=300)
     rep = runtime.report()
+    switch_intervals["after"] = sys.getswitchinterval()
     return {
         "returned": returned,
         "done_at_return": done_at_return,
+        "switch_intervals": switch_intervals,
         "imported_by": imported_by,
         "install": activation.install is not None,
         "warmup_seconds": rep.warmup_seconds,

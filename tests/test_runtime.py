@@ -163,6 +163,9 @@ def test_background_warm_up_returns_at_once_and_calls_wait_for_it(smoke_artifact
     # matched the artifact's)
     assert out["installed"] > 0 and out["extracted_here"] == [out["first_calls"][1][1]], out
     assert out["inductor_key_reads"] == [], out
+    # the start imports with Python's thread switch interval at 0.5 ms (Triton's key and the install's writes win
+    # the GIL back sooner), and puts the job's own back when its imports are done
+    assert out["switch_intervals"] == {"before": 0.005, "importing": 0.0005, "after": 0.005}, out
 
 
 def test_a_background_start_can_install_in_its_own_process_and_reads_inductors_key_where_ours_differs(
@@ -171,8 +174,16 @@ def test_a_background_start_can_install_in_its_own_process_and_reads_inductors_k
     """KERNELPACK_INSTALL_PROCESS=0: the install's thread writes the start's files in the job's process. And
     where kernelpack's reading of torch's sources is not what matched the artifact (KERNELPACK_TEST_MISREAD: a torch
     whose sources it would misread), the start's thread computes inductor's own torch_key, which decides."""
-    out = scenario("background", smoke_artifact, tmp_path, KERNELPACK_INSTALL_PROCESS="0", KERNELPACK_TEST_MISREAD="1")
+    out = scenario(
+        "background",
+        smoke_artifact,
+        tmp_path,
+        KERNELPACK_INSTALL_PROCESS="0",
+        KERNELPACK_TEST_MISREAD="1",
+        KERNELPACK_START_SWITCH_INTERVAL="0",
+    )
     assert out["errors"] == [] and out["compiled"] == 0, out
+    assert set(out["switch_intervals"].values()) == {0.005}, out  # 0: the job's own interval, untouched
     # the start's parts (its config's own and the one both configs' workers wrote) in the install's thread, then the
     # other config's own part in the thread of its first call
     *start, later = out["extracted_here"]

@@ -29,6 +29,9 @@ from kernelpack.errors import SettingError
         ("LOCAL_RANK", "first", settings.local_rank),
         ("SOURCE_DATE_EPOCH", "yesterday", settings.source_date_epoch),
         ("KERNELPACK_INSTALL", "some", settings.install_used_parts),
+        ("KERNELPACK_START_SWITCH_INTERVAL", "5ms", settings.start_switch_interval),
+        # Python takes an interval of an hour; a start that switches threads once a minute starves its own
+        ("KERNELPACK_START_SWITCH_INTERVAL", "60", settings.start_switch_interval),
     ],
 )
 def test_a_bad_value_names_the_variable_the_value_and_what_is_expected(

@@ -188,7 +188,12 @@ def activate(
         background = warmup == "background"
         if background:
             # a bad value is refused here, not in the start's thread
-            for read in (settings.install_in_process, settings.install_used_parts, settings.load_precompiled_lazily):
+            for read in (
+                settings.install_in_process,
+                settings.install_used_parts,
+                settings.load_precompiled_lazily,
+                settings.start_switch_interval,
+            ):
                 read()
         installing = _start(
             source,

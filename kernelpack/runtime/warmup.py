@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,46 +85,69 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
         first_part = threading.Event()
         try:
-            # started inside the window: a thread the window's thread starts is not held at its imports; decided
-            # here: the install's thread is exempt from the gate, and must import nothing of torch beside it
-            split = tier2_unavailable() is None
-            threading.Thread(
-                target=_install_in_parts,
-                args=(installing, first_part, split, settings.install_in_process()),
-                name="kernelpack-install",
-                daemon=True,
-            ).start()
-            triton_key = prefetch_triton_key()  # hashing libtriton.so beside the imports (GIL-free)
-            import_compiler()
-            warm.timeline["imports"] = time.perf_counter()
-            # activate() checked the artifact's torch_key against kernelpack's reading of torch's sources; where
-            # that reading was not what matched, inductor's own decides what hits. Where it matched, inductor's is
-            # not computed again: 0.2-0.7 s of hashing on the job's path that a precompiled load never asks for
-            # (its torch_key stays uncomputed: CPU, torch 2.13), and a tier-1 trace computes it itself
-            key = manifest.build_key.torch_key
-            if not torch_key_read_as(key) and (here := inductor_torch_key()) != key and not allow_mismatch:
-                raise KeyMismatchError(str(activation.artifact), [("torch_key", key, here)])
-            if not warm.settings_checked:
-                check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
-            # the warm-up needs the files precompiled functions load; the inductor cache's own entries (tier 1) come
-            # after, and the warm-up waits for them only before it traces (_warm_one)
-            warm.timeline["checks"] = time.perf_counter()
-            # what the first load (or trace) imports besides, while the install and Triton's key need no GIL: the
-            # wait for them was idle (0.4 s of a Mistral job's start on an H100, docs/BENCHMARKS.md)
-            import_loader({c.config.device for c in manifest.configs})
-            warm.timeline["load_imports"] = time.perf_counter()
-            first_part.wait()
-            warm.timeline["first_part"] = time.perf_counter()
-            if installing.error is not None:
-                installing.result(timeout=0)  # raises what the install raised
-            if triton_key is not None:
-                triton_key.join(settings.warmup_wait_seconds())
-            warm.timeline["triton_key"] = time.perf_counter()
+            with _switching_often(settings.start_switch_interval()):
+                # started inside the window: a thread the window's thread starts is not held at its imports; decided
+                # here: the install's thread is exempt from the gate, and must import nothing of torch beside it
+                split = tier2_unavailable() is None
+                threading.Thread(
+                    target=_install_in_parts,
+                    args=(installing, first_part, split, settings.install_in_process()),
+                    name="kernelpack-install",
+                    daemon=True,
+                ).start()
+                triton_key = prefetch_triton_key()  # hashing libtriton.so beside the imports (GIL-free)
+                import_compiler()
+                warm.timeline["imports"] = time.perf_counter()
+                # activate() checked the artifact's torch_key against kernelpack's reading of torch's sources; where
+                # that reading was not what matched, inductor's own decides what hits. Where it matched, inductor's is
+                # not computed again: 0.2-0.7 s of hashing on the job's path that a precompiled load never asks for
+                # (its torch_key stays uncomputed: CPU, torch 2.13), and a tier-1 trace computes it itself
+                key = manifest.build_key.torch_key
+                if not torch_key_read_as(key) and (here := inductor_torch_key()) != key and not allow_mismatch:
+                    raise KeyMismatchError(str(activation.artifact), [("torch_key", key, here)])
+                if not warm.settings_checked:
+                    check_key_settings(manifest, activation.strict, allow_mismatch=allow_mismatch)
+                # the warm-up needs the files precompiled functions load; the inductor cache's own entries (tier 1) come
+                # after, and the warm-up waits for them only before it traces (_warm_one)
+                warm.timeline["checks"] = time.perf_counter()
+                # what the first load (or trace) imports besides, while the install and Triton's key need no GIL: the
+                # wait for them was idle (0.4 s of a Mistral job's start on an H100, docs/BENCHMARKS.md)
+                import_loader({c.config.device for c in manifest.configs})
+                warm.timeline["load_imports"] = time.perf_counter()
+                first_part.wait()
+                warm.timeline["first_part"] = time.perf_counter()
+                if installing.error is not None:
+                    installing.result(timeout=0)  # raises what the install raised
+                if triton_key is not None:
+                    triton_key.join(settings.warmup_wait_seconds())
+                warm.timeline["triton_key"] = time.perf_counter()
         except BaseException as e:
             warm.error = e
             warm.done.set()
             return
         warm_up(state, activation)
+
+
+@contextlib.contextmanager
+def _switching_often(interval: float) -> Iterator[None]:
+    """Python's thread switch interval lowered to ``interval`` seconds for the block, then put back (unless something
+    else changed it meanwhile). The start's imports hold the GIL for 1-2 s at a stretch while Triton's key hashes
+    libtriton.so beside them (and the install writes files, where it runs in a thread): each releases the GIL for
+    every 1 MiB chunk and must win it back from the importing thread, which yields it only once per switch interval
+    (5 ms by default). At 5 ms the key
+    that takes 0.4 s alone was done 1.0 s after the imports began on an H100, and the warm-up waited 0.2 s for it
+    (docs/BENCHMARKS.md, 2026-12-05, night); ``0`` (``KERNELPACK_START_SWITCH_INTERVAL=0``) leaves it alone."""
+    previous = sys.getswitchinterval()
+    if not 0 < interval < previous:
+        yield
+        return
+    sys.setswitchinterval(interval)
+    ours = sys.getswitchinterval()  # as Python stores it (whole microseconds)
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == ours:
+            sys.setswitchinterval(previous)
 
 
 def _install_in_parts(installing: Installing, first_part: threading.Event, split: bool, in_child: bool) -> None:
