@@ -367,6 +367,62 @@ def test_triton_key_is_computed_ahead_in_a_thread_of_its_own_where_triton_is_ins
     assert ahead["seconds"] < 0.01 and cold["seconds"] > 10 * ahead["seconds"], (ahead, cold)
 
 
+VEC_ISA = """
+import json, os, sys, threading, time
+from pathlib import Path
+from kernelpack.installer import install_artifact
+from kernelpack._torch.inductor import import_compiler, prefetch_vec_isa
+cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+install_artifact(sys.argv[1], cache)
+import_compiler()
+from torch._inductor import cpu_vec_isa
+def builds():  # the probes' sources and libraries (their locks are made each time)
+    return {str(p) for p in cache.rglob("*") if p.suffix in (".cpp", ".so")}
+files = builds()
+out = {}
+if sys.argv[2] == "ahead":
+    installed = threading.Event()
+    check_build, out["checked_after_the_event"] = cpu_vec_isa.VecISA.check_build, []
+    def counted(self, code):
+        out["checked_after_the_event"].append(installed.is_set())
+        return check_build(self, code)
+    cpu_vec_isa.VecISA.check_build = counted
+    before = set(sys.modules)
+    thread = prefetch_vec_isa(installed)
+    time.sleep(0.2)
+    imported_here = set(sys.modules) - before
+    installed.set()
+    thread.join(120)
+    out["imported_by_the_thread"] = sorted(set(sys.modules) - before - imported_here)
+t = time.perf_counter()
+out["isa"] = str(cpu_vec_isa.pick_vec_isa())
+out["seconds"] = time.perf_counter() - t
+out["files_added"] = sorted(builds() - files)
+print(json.dumps(out))
+"""
+
+
+def test_the_cpus_vector_isa_check_runs_ahead_once_its_probes_are_installed(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """A CPU function's first load checks which vector instruction sets the CPU has (pick_vec_isa: a probe per set,
+    dlopen-ed in a child Python; 83 % of the load under cProfile, torch 2.13). A background start runs it in a thread
+    of its own once the first part is installed (the artifact ships the builder's probes: nothing is compiled), and
+    the thread imports nothing beside the start's imports; the load then finds the answer cached. On every torch CI
+    runs."""
+
+    def run(mode: str) -> dict:
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / mode)}
+        return run_json([sys.executable, "-c", VEC_ISA, str(smoke_artifact), mode], env=env)
+
+    ahead, cold = run("ahead"), run("cold")
+    # it waits for the install, then probes (on x86: at least AVX2's)
+    assert ahead["checked_after_the_event"] and all(ahead["checked_after_the_event"]), ahead
+    assert ahead["imported_by_the_thread"] == [] and ahead["files_added"] == [], ahead
+    assert ahead["isa"] == cold["isa"] and cold["files_added"] == [], (ahead, cold)
+    assert ahead["seconds"] < 0.01 and cold["seconds"] > 10 * ahead["seconds"], (ahead, cold)
+
+
 LOAD_IMPORTS = """
 import json, os, sys
 import torch

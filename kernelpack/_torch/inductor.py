@@ -6,9 +6,11 @@ Every function here serves torch 2.11-2.15.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -88,6 +90,38 @@ def import_loader(devices: Iterable[str]) -> None:
             importlib.import_module(module)
         except Exception:  # ahead of time only: the load imports it again and says what failed
             continue
+
+
+def prefetch_vec_isa(after: threading.Event) -> threading.Thread | None:
+    """Start inductor's check of this CPU's vector instruction sets in a thread of its own once ``after`` is set, and
+    return it (join it before the first load of a CPU function). ``cpu_vec_isa.pick_vec_isa`` compiles a probe per
+    instruction set the CPU claims into the inductor cache and ``dlopen``s each in a child Python, once per process
+    (``valid_vec_isa_list`` is cached): on this project's 2-core machine 0.9 s with the probes' builds in the cache
+    (an artifact ships its builder's: ``after`` is their install), 83 % of a CPU function's first load under
+    cProfile (torch 2.13, docs/BENCHMARKS.md). The thread waits on those children without the GIL, beside
+    :func:`import_loader`. What it imports (the C++ builder, ``torch.utils.cpp_extension``) is imported here, in
+    the caller's thread, so that the thread imports nothing beside the caller's imports (two threads importing
+    torch's compiler stack at once can see a half-initialized module). Call it after :func:`import_compiler`. A
+    failure is the load's to raise: the check is not cached then, and the load runs it again. torch 2.11-2.15; None
+    where this torch has no ``pick_vec_isa``."""
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        importlib.import_module("torch._inductor.cpp_builder")
+        importlib.import_module("torch.utils.cpp_extension")
+        importlib.import_module("torch.utils._filelock")
+        pick = cpu_vec_isa.pick_vec_isa
+    except (ImportError, AttributeError):
+        return None
+
+    def check() -> None:
+        after.wait()
+        with contextlib.suppress(Exception):
+            pick()
+
+    thread = threading.Thread(target=check, name="kernelpack-vec-isa", daemon=True)
+    thread.start()
+    return thread
 
 
 def inductor_torch_key() -> str:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from .. import evidence, precompiled, settings
 from .._imports import importing_alone
-from .._torch.inductor import CONFIG_HINT, import_compiler, import_loader, inductor_torch_key
+from .._torch.inductor import CONFIG_HINT, import_compiler, import_loader, inductor_torch_key, prefetch_vec_isa
 from .._torch.inductor import read_as as torch_key_read_as
 from .._torch.triton import prefetch_key as prefetch_triton_key
 from ..canonical import arguments as canonical_arguments
@@ -111,8 +111,12 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
                 # after, and the warm-up waits for them only before it traces (_warm_one)
                 warm.timeline["checks"] = time.perf_counter()
                 # what the first load (or trace) imports besides, while the install and Triton's key need no GIL: the
-                # wait for them was idle (0.4 s of a Mistral job's start on an H100, docs/BENCHMARKS.md)
-                import_loader({c.config.device for c in manifest.configs})
+                # wait for them was idle (0.4 s of a Mistral job's start on an H100, docs/BENCHMARKS.md); and a CPU
+                # function's first load checks the CPU's vector instruction sets in child processes, with the probes'
+                # builds the first part installs: beside these imports, once they are there
+                devices = {c.config.device for c in manifest.configs}
+                vec_isa = prefetch_vec_isa(first_part) if "cpu" in devices else None
+                import_loader(devices)
                 warm.timeline["load_imports"] = time.perf_counter()
                 first_part.wait()
                 warm.timeline["first_part"] = time.perf_counter()
@@ -121,6 +125,9 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
                 if triton_key is not None:
                     triton_key.join(settings.warmup_wait_seconds())
                 warm.timeline["triton_key"] = time.perf_counter()
+                if vec_isa is not None:
+                    vec_isa.join(settings.warmup_wait_seconds())
+                    warm.timeline["vec_isa"] = time.perf_counter()
         except BaseException as e:
             warm.error = e
             warm.done.set()
