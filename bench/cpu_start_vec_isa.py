@@ -36,7 +36,8 @@ args = ap.parse_args()
 rows: dict[str, list[dict]] = {"off": [], "on": []}
 for _ in range(args.runs):
     for arm in rows:
-        out = subprocess.run([sys.executable, "-c", ONE, args.artifact, arm], capture_output=True, text=True, check=True)
+        cmd = [sys.executable, "-c", ONE, args.artifact, arm]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows[arm].append(row)
         print(json.dumps(row), flush=True)
