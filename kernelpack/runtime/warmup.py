@@ -138,12 +138,12 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
 @contextlib.contextmanager
 def _switching_often(interval: float) -> Iterator[None]:
     """Python's thread switch interval lowered to ``interval`` seconds for the block, then put back (unless something
-    else changed it meanwhile). The start's imports hold the GIL for 1-2 s at a stretch while Triton's key hashes
-    libtriton.so beside them (and the install writes files, where it runs in a thread): each releases the GIL for
-    every 1 MiB chunk and must win it back from the importing thread, which yields it only once per switch interval
-    (5 ms by default). At 5 ms the key
-    that takes 0.4 s alone was done 1.0 s after the imports began on an H100, and the warm-up waited 0.2 s for it
-    (docs/BENCHMARKS.md, 2026-12-05, night); ``0`` (``KERNELPACK_START_SWITCH_INTERVAL=0``) leaves it alone."""
+    else changed it meanwhile). The start's imports want the GIL all the time, while Triton's key hashes libtriton.so
+    beside them (and the install writes files, where it runs in a thread): each releases the GIL for every 1 MiB
+    chunk and must win it back from the importing thread, which yields it only once per switch interval (5 ms by
+    default). On an H100 at 5 ms the warm-up waited 0.18 s for the key after the loader's imports (0.4 s alone, and
+    started before them); at 0.5 ms 0.06 s, and the first step ended 0.15 s sooner (docs/BENCHMARKS.md,
+    2026-12-05, night). ``0`` (``KERNELPACK_START_SWITCH_INTERVAL=0``) leaves it alone."""
     previous = sys.getswitchinterval()
     if not 0 < interval < previous:
         yield
