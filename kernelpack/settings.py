@@ -37,7 +37,7 @@ def _get(name: str) -> str | None:
     return value if value else None  # an empty variable means unset, as in most shells' `VAR= cmd`
 
 
-def _seconds(name: str, default: float) -> float:
+def _seconds(name: str, default: float, most: float | None = None) -> float:
     value = _get(name)
     if value is None:
         return default
@@ -45,9 +45,10 @@ def _seconds(name: str, default: float) -> float:
         seconds = float(value)
     except ValueError:
         seconds = float("nan")
-    if not 0 <= seconds <= _MAX_SECONDS:  # refuses non-numbers, nan, negatives and inf (a wait of inf seconds is
+    most = _MAX_SECONDS if most is None else most
+    if not 0 <= seconds <= most:  # refuses non-numbers, nan, negatives and inf (a wait of inf seconds is
         # an OverflowError in threading's waits, at every call)
-        raise SettingError(name, value, f"a number of seconds from 0 to {_MAX_SECONDS:.0f}")
+        raise SettingError(name, value, f"a number of seconds from 0 to {most:.0f}")
     return seconds
 
 
@@ -223,11 +224,8 @@ def start_switch_interval() -> float:
     """``KERNELPACK_START_SWITCH_INTERVAL``: seconds of Python's thread switch interval (``sys.setswitchinterval``)
     while a background start imports torch's compiler beside the threads that hash Triton's key and write the
     install; ``0`` leaves the process's own (Python's default is 0.005). Restored when the imports are done."""
-    seconds = _seconds("KERNELPACK_START_SWITCH_INTERVAL", 0.0005)
-    if seconds > 1:  # Python takes up to ~4294 s; anything near a second only starves the start's other threads
-        name = "KERNELPACK_START_SWITCH_INTERVAL"
-        raise SettingError(name, os.environ[name], "a number of seconds from 0 to 1")
-    return seconds
+    # at most 1 s: Python takes up to ~4294 s, but anything near a second only starves the start's other threads
+    return _seconds("KERNELPACK_START_SWITCH_INTERVAL", 0.0005, most=1.0)
 
 
 def local_rank() -> int | None:
