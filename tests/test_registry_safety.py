@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import repack, tree_digest
+from conftest import repack, run_json, tree_digest
 from test_reliability import _rewrite
 
 from kernelpack import _fs
@@ -26,7 +26,7 @@ from kernelpack import manifest as mf
 from kernelpack.cli import main
 from kernelpack.config import MAX_CONFIGS
 from kernelpack.errors import ArtifactError, InstallError, KernelpackWarning, KeyMismatchError
-from kernelpack.installer import install_artifact, marker_path, part_marker_path
+from kernelpack.installer import destination, install_artifact, marker_path, part_marker_path
 from kernelpack.store import Entry, Registry, key_id
 
 
@@ -639,6 +639,56 @@ def test_a_background_start_owns_what_it_installs_and_its_first_call_raises_the_
     finally:
         act.warmup.done.wait(300)
         runtime.deactivate()
+
+
+FAILED_START = """
+import json, sys, threading
+from pathlib import Path
+import kernelpack
+from kernelpack import runtime
+from kernelpack.artifact import read_manifest
+from kernelpack.canonical import make_inputs
+from kernelpack.masks import block_mask_for
+reg, recipe, lock, cache, artifact = sys.argv[1:6]
+config = read_manifest(artifact).configs[0].config
+runtime.activate(registry=reg, recipe=recipe, lock=lock, cache_dir=cache)
+inputs, bm = make_inputs(config, "cpu"), block_mask_for(config, "cpu")
+out = {"raised": None}
+try:
+    kernelpack.flex_attention(*inputs, block_mask=bm)
+except Exception as e:
+    out["raised"] = type(e.__cause__).__name__
+out["running"] = [t.name for t in threading.enumerate() if t.name == "kernelpack-vec-isa"]
+for t in threading.enumerate():  # what a check left running would do (a test that fails still ends)
+    if t.name == "kernelpack-vec-isa":
+        t.join(120)
+from torch._inductor import cpu_vec_isa
+out["checked"] = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+out["builds"] = sorted(p.name for p in Path(cache).rglob("*") if p.suffix in (".cpp", ".so"))
+print(json.dumps(out))
+"""
+
+
+def test_a_failed_background_start_leaves_nothing_running_that_races_the_next_compile(
+    smoke_artifact: Path, tmp_path: Path
+) -> None:
+    """A CPU artifact's start checks the CPU's vector instruction sets in a thread of its own once the first part is
+    installed (prefetch_vec_isa). inductor's check is not thread-safe: two at once build probes under flags the other
+    has half-changed, and compile a kernel under a path the artifact never shipped (CI, 2026-12-05: a later test's
+    install held files it does not ship). Where the install fails, the check never runs, and no thread of the start
+    is alive once the first guarded call raises the failure: nothing is compiled into the cache. A fresh process
+    (this one's check may be cached already)."""
+    manifest = art.read_manifest(smoke_artifact)
+    reg, lock, cache = tmp_path / "reg", tmp_path / "kp.lock", tmp_path / "cache"
+    Registry(str(reg)).push(smoke_artifact)
+    assert main(["lock", str(reg), "--recipe", manifest.recipe_name, "-o", str(lock)]) == 0
+    planted = destination(cache, manifest.configs[0].precompiled[0].path)  # a file of the part the start installs
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"planted")
+    args = [str(reg), manifest.recipe_name, str(lock), str(cache), str(smoke_artifact)]
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "unused")}
+    out = run_json([sys.executable, "-c", FAILED_START, *args], env=env)
+    assert out == {"raised": "InstallError", "running": [], "checked": 0, "builds": []}, out
 
 
 def test_a_signature_installed_at_its_first_call_is_held_to_the_pinned_install_s_checks(

@@ -380,7 +380,7 @@ def builds():  # the probes' sources and libraries (their locks are made each ti
     return {str(p) for p in cache.rglob("*") if p.suffix in (".cpp", ".so")}
 files = builds()
 out = {}
-if sys.argv[2] == "ahead":
+if sys.argv[2] in ("ahead", "twice", "unwanted"):
     installed = threading.Event()
     check_build, out["checked_after_the_event"] = cpu_vec_isa.VecISA.check_build, []
     def counted(self, code):
@@ -388,12 +388,21 @@ if sys.argv[2] == "ahead":
         return check_build(self, code)
     cpu_vec_isa.VecISA.check_build = counted
     before = set(sys.modules)
-    thread = prefetch_vec_isa(installed)
+    thread = prefetch_vec_isa(installed, lambda: sys.argv[2] != "unwanted")
+    if sys.argv[2] == "twice":  # a second start while the first's check runs: its thread, not a second check
+        other = threading.Event()
+        out["second_is_the_first"] = prefetch_vec_isa(other, lambda: True) is thread
+        other.set()
     time.sleep(0.2)
     imported_here = set(sys.modules) - before
     installed.set()
     thread.join(120)
     out["imported_by_the_thread"] = sorted(set(sys.modules) - before - imported_here)
+    if sys.argv[2] == "unwanted":
+        out["checked"] = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize
+        out["probes_by_the_thread"] = len(out["checked_after_the_event"])
+    else:  # checked: nothing to run
+        out["after_it"] = prefetch_vec_isa(installed, lambda: True) is None
 t = time.perf_counter()
 out["isa"] = str(cpu_vec_isa.pick_vec_isa())
 out["seconds"] = time.perf_counter() - t
@@ -421,6 +430,14 @@ def test_the_cpus_vector_isa_check_runs_ahead_once_its_probes_are_installed(
     assert ahead["imported_by_the_thread"] == [] and ahead["files_added"] == [], ahead
     assert ahead["isa"] == cold["isa"] and cold["files_added"] == [], (ahead, cold)
     assert ahead["seconds"] < 0.01 and cold["seconds"] > 10 * ahead["seconds"], (ahead, cold)
+    assert ahead["after_it"], ahead
+    # two starts in one process run one check: two at once build probes under flags the other has half-changed
+    # (VecAVX512.__bool__), which the artifact never shipped (CI, 2026-12-05)
+    twice = run("twice")
+    assert twice["second_is_the_first"] and twice["files_added"] == [] and twice["isa"] == cold["isa"], twice
+    # where the install failed (wanted() is false then) the thread checks nothing
+    unwanted = run("unwanted")
+    assert unwanted["probes_by_the_thread"] == 0 and unwanted["checked"] == 0, unwanted
 
 
 LOAD_IMPORTS = """

@@ -92,18 +92,30 @@ def import_loader(devices: Iterable[str]) -> None:
             continue
 
 
-def prefetch_vec_isa(after: threading.Event) -> threading.Thread | None:
-    """Start inductor's check of this CPU's vector instruction sets in a thread of its own once ``after`` is set, and
-    return it (join it before the first load of a CPU function). ``cpu_vec_isa.pick_vec_isa`` compiles a probe per
-    instruction set the CPU claims into the inductor cache and ``dlopen``s each in a child Python, once per process
-    (``valid_vec_isa_list`` is cached): on this project's 2-core machine 0.9 s with the probes' builds in the cache
-    (an artifact ships its builder's: ``after`` is their install), 83 % of a CPU function's first load under
-    cProfile (torch 2.13, docs/BENCHMARKS.md). The thread waits on those children without the GIL, beside
-    :func:`import_loader`. What it imports (the C++ builder, ``torch.utils.cpp_extension``) is imported here, in
-    the caller's thread, so that the thread imports nothing beside the caller's imports (two threads importing
-    torch's compiler stack at once can see a half-initialized module). Call it after :func:`import_compiler`. A
-    failure is the load's to raise: the check is not cached then, and the load runs it again. torch 2.11-2.15; None
-    where this torch has no ``pick_vec_isa``."""
+# The one vector-ISA check a process runs ahead (prefetch_vec_isa): two at once build probes under flags the other
+# has half-changed (VecAVX512.__bool__ appends -mavx512bf16 to the instance's _arch_flags for its bf16 probe and puts
+# them back after: torch 2.11-2.15), and compile whatever else reads them then (a kernel) under a path the artifact
+# never shipped
+_vec_isa_lock = threading.Lock()
+_vec_isa_thread: threading.Thread | None = None
+
+
+def prefetch_vec_isa(after: threading.Event, wanted: Callable[[], bool]) -> threading.Thread | None:
+    """Start inductor's check of this CPU's vector instruction sets in a thread of its own once ``after`` is set (and
+    only if ``wanted()`` then says so: the install did not fail), and return it: join it before anything else of
+    torch's compiler runs, and before the start returns on any path (set ``after`` first where it failed).
+    ``cpu_vec_isa.pick_vec_isa`` compiles a probe per instruction set the CPU claims into the inductor cache and
+    ``dlopen``s each in a child Python, once per process (``valid_vec_isa_list`` is cached): on this project's 2-core
+    machine 0.9 s with the probes' builds in the cache (an artifact ships its builder's: ``after`` is their install),
+    83 % of a CPU function's first load under cProfile (torch 2.13, docs/BENCHMARKS.md). The thread waits on those
+    children without the GIL, beside :func:`import_loader`. What it imports (the C++ builder,
+    ``torch.utils.cpp_extension``) is imported here, in the caller's thread, so that the thread imports nothing beside
+    the caller's imports (two threads importing torch's compiler stack at once can see a half-initialized module).
+    Call it after :func:`import_compiler`. The check is not thread-safe (``_vec_isa_lock``'s comment): where this
+    process's thread is still checking (a start before this one), that thread is returned, not a second; where the
+    check is done, None. A failure is the load's to raise: the check is not cached then, and the load runs it again.
+    torch 2.11-2.15; None where this torch has no ``pick_vec_isa``."""
+    global _vec_isa_thread
     try:
         from torch._inductor import cpu_vec_isa
 
@@ -111,17 +123,24 @@ def prefetch_vec_isa(after: threading.Event) -> threading.Thread | None:
         importlib.import_module("torch.utils.cpp_extension")
         importlib.import_module("torch.utils._filelock")
         pick = cpu_vec_isa.pick_vec_isa
+        checked = cpu_vec_isa.valid_vec_isa_list.cache_info
     except (ImportError, AttributeError):
         return None
 
     def check() -> None:
         after.wait()
-        with contextlib.suppress(Exception):
-            pick()
+        if wanted():
+            with contextlib.suppress(Exception):
+                pick()
 
-    thread = threading.Thread(target=check, name="kernelpack-vec-isa", daemon=True)
-    thread.start()
-    return thread
+    with _vec_isa_lock:
+        if _vec_isa_thread is not None and _vec_isa_thread.is_alive():
+            return _vec_isa_thread
+        if checked().currsize:
+            return None
+        _vec_isa_thread = threading.Thread(target=check, name="kernelpack-vec-isa", daemon=True)
+        _vec_isa_thread.start()
+        return _vec_isa_thread
 
 
 def inductor_torch_key() -> str:

@@ -83,7 +83,8 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
     assert warm is not None and manifest is not None and installing is not None
     warm.thread = threading.get_ident()
     with importing_alone(_COMPILER_STACK, settings.warmup_wait_seconds()):
-        first_part = threading.Event()
+        first_part, failed = threading.Event(), threading.Event()
+        vec_isa: threading.Thread | None = None
         try:
             with _switching_often(settings.start_switch_interval()):
                 # started inside the window: a thread the window's thread starts is not held at its imports; decided
@@ -115,7 +116,9 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
                 # function's first load checks the CPU's vector instruction sets in child processes, with the probes'
                 # builds the first part installs: beside these imports, once they are there
                 devices = {c.config.device for c in manifest.configs}
-                vec_isa = prefetch_vec_isa(first_part) if "cpu" in devices else None
+                if "cpu" in devices:
+                    wanted = lambda: installing.error is None and not failed.is_set()  # noqa: E731
+                    vec_isa = prefetch_vec_isa(first_part, wanted)
                 import_loader(devices)
                 warm.timeline["load_imports"] = time.perf_counter()
                 first_part.wait()
@@ -126,9 +129,17 @@ def start_in_background(state: State, activation: Activation, allow_mismatch: bo
                     triton_key.join(settings.warmup_wait_seconds())
                 warm.timeline["triton_key"] = time.perf_counter()
                 if vec_isa is not None:
-                    vec_isa.join(settings.warmup_wait_seconds())
+                    # unbounded, as the load's own check would be: with a bound the warm-up's load could check beside
+                    # it (prefetch_vec_isa says why it must not); a guarded call waits KERNELPACK_WARMUP_WAIT_SECONDS
+                    vec_isa.join()
                     warm.timeline["vec_isa"] = time.perf_counter()
         except BaseException as e:
+            # nothing of the start outlives it: a check left running would race whatever compiles next in this
+            # process (another start's check, or the job's own torch.compile after this error)
+            failed.set()
+            first_part.set()
+            if vec_isa is not None:
+                vec_isa.join()
             warm.error = e
             warm.done.set()
             return
