@@ -18,7 +18,7 @@ import json, sys, tempfile, time, torch
 from kernelpack import runtime
 from kernelpack.runtime import warmup
 if sys.argv[2] == "off":
-    warmup.prefetch_vec_isa = lambda after: None
+    warmup.prefetch_vec_isa = lambda after, wanted: None
 torch.set_num_threads(2)
 with tempfile.TemporaryDirectory() as cache:
     t = time.perf_counter()
