@@ -59,6 +59,7 @@ def extract(
     parts: Collection[int] | None = None,
     base: int | None = None,
     dictionaries: dict[int, bytes] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Counts:
     """Stage every file, verified, then link each into place without clobbering anything.
 
@@ -69,6 +70,8 @@ def extract(
     marker that cannot be written (a full disk) takes the files just committed with it, so a failed install never
     leaves files in place. ``parts``: these parts of the artifact alone (default: all), read from their frames
     (``base``: :func:`kernelpack.artifact.parts_base`; ``dictionaries``: :func:`kernelpack.artifact.iter_members`'s).
+    ``cancel``: once set, the extract rolls back at its next file (staged or linked), unless its markers are being
+    written: the commit, after which it finishes.
     """
     stages: dict[Path, Path] = {}  # destination root -> staging dir inside it
     created: list[Path] = []  # directories and files this call created, in creation order
@@ -77,6 +80,7 @@ def extract(
     counts = Counts()
     try:
         for member in art.iter_members(path, manifest, parts, base=base, dictionaries=dictionaries):
+            _check_cancel(cancel, target)
             dest = destination(target, member.path)
             root = target if dest.is_relative_to(target) else settings.triton_cache_dir()
             assert root is not None  # destination() leaves the target only for TRITON_CACHE_DIR
@@ -96,6 +100,7 @@ def extract(
             staged.append((tmp, dest, member.entry))
         real_roots = [r.resolve() for r in stages]
         for tmp, dest, entry in staged:
+            _check_cancel(cancel, target)
             # checked before creating anything below it: a symlink inside the target (C/fxgraph -> /elsewhere) must
             # not get directories made through it
             existing = dest.parent
@@ -126,6 +131,7 @@ def extract(
                 hint="install into a cache dir only this job writes (activate(cache_dir=...), kernelpack pull "
                 "--install --cache-dir DIR), or remove those files",
             )
+        _check_cancel(cancel, target)  # the last chance: the markers are the commit
         for marker, data, files in marks:
             kept = counts.kept if files is None else [k for k in counts.kept if k in files]
             before_ = data.get("kept", [])
@@ -147,6 +153,11 @@ def extract(
             _fs.remove_stage_dir(stage)
 
 
+def _check_cancel(cancel: threading.Event | None, target: Path) -> None:
+    if cancel is not None and cancel.is_set():
+        raise InstallError(str(target), "the install was stopped (the job that started it is gone)")
+
+
 def extract_in_child(
     path: str,
     manifest: mf.Manifest,
@@ -164,8 +175,8 @@ def extract_in_child(
     machine, 120 files and 62 MB), the extract took 0.5 s alone, 2.75 s in a thread beside the imports and
     0.74-0.97 s in a child process beside them; on the H200 the DFlash artifact's took 1.6-2.3 s instead of 0.3 s.
     The same checks and the same rollback run in the child; its error is raised here as it was raised there
-    (KernelpackError pickles its state). The child dies with this process: when its stdin closes it rolls back
-    (``_child_main``). A pinned install's descriptor is passed to the child under the same number."""
+    (KernelpackError pickles its state). The child dies with this process: when its stdin closes before it is done,
+    it rolls back (``_child_main``). A pinned install's descriptor is passed to the child under the same number."""
     import pickle
     import subprocess
     import sys
@@ -213,41 +224,43 @@ def extract_in_child(
 def _child_main() -> None:
     """The install's child process (:func:`extract_in_child`): one job on stdin, its counts or its exception on
     stdout. A watcher thread reads stdin to its end: the parent closing it before the job is done (the parent died,
-    or gave up) interrupts the extract, which rolls back."""
-    import _thread
+    or gave up) cancels the extract, which rolls back at its next file, or finishes if it is writing its markers.
+
+    Its stdin is the child's one stop signal. An exception thrown into the extract from outside (the watcher's
+    ``_thread.interrupt_main()`` before, or a terminal's ^C) can land anywhere, in the rollback or in the removal of
+    the staging directory after the markers are written too: a whole install then left a staging directory half
+    removed behind it (CI at dc04d4d caught a kill just after the commit). So the extract checks a flag between
+    files, and SIGINT is ignored here: a ^C that reaches the job's process group stops the job, and its end closes
+    this child's stdin."""
     import pickle
     import signal
     import sys
 
-    # The watcher stops the extract with interrupt_main(), a simulated SIGINT, which Python drops when SIGINT is
-    # ignored: a job started as `nohup job &` (a shell ignores SIGINT in its background commands) passes SIG_IGN to
-    # this child, which then finished the install after the job died instead of rolling it back.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     size = int.from_bytes(stdin.read(8), "big")
     path, manifest, target, pinned, marks, parts, base = pickle.loads(stdin.read(size))
-    done = threading.Event()
+    cancel = threading.Event()
 
     def watch() -> None:
         stdin.read()
-        if not done.is_set():
-            _thread.interrupt_main()
+        cancel.set()
 
     threading.Thread(target=watch, daemon=True).start()
     reply: tuple[str, object]
     try:
-        reply = ("ok", extract(path, manifest, Path(target), pinned, marks, parts=parts, base=base))
+        reply = ("ok", extract(path, manifest, Path(target), pinned, marks, parts=parts, base=base, cancel=cancel))
     except BaseException as e:
         reply = ("error", e)
-    done.set()
     try:
         data = pickle.dumps(reply)
     except Exception:  # an exception that does not pickle: its type and text
         failed = reply[1]
         data = pickle.dumps(("error", InstallError(target, f"{type(failed).__name__}: {failed}")))
-    stdout.write(data)
-    stdout.flush()
-    os._exit(0)  # not a normal shutdown: the watcher is still blocked reading stdin (finalization would abort)
+    with contextlib.suppress(OSError):  # a parent that is gone reads nothing: not an error of this child's
+        stdout.write(data)
+        stdout.flush()
+    os._exit(0)  # not a normal shutdown: the watcher may still be blocked reading stdin (finalization would abort)
 
 
 def write_marker(marker: Path, data: dict[str, object], created: list[Path] | None = None) -> None:

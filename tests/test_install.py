@@ -624,6 +624,40 @@ def test_a_pinned_install_in_a_child_owns_what_it_installs(smoke_artifact: Path,
     assert_installed(tmp_path / "good", smoke_artifact)
 
 
+def test_a_cancelled_extract_rolls_back_at_every_file_until_its_markers(smoke_artifact: Path, tmp_path: Path) -> None:
+    """The install's child stops on a flag (its stdin closed), checked before each file is staged, before each is
+    linked, and once before the markers: cancelled at any of those checks, the extract raises InstallError with the
+    target exactly as it was (no file, no directory, no staging directory, no marker); never cancelled, it installs
+    everything and its marker."""
+    from kernelpack.staging import extract
+
+    class CancelAt(threading.Event):
+        """Set from the ``n``-th look on: the extract cancelled at that point of its work."""
+
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.n, self.looks = n, 0
+
+        def is_set(self) -> bool:
+            self.looks += 1
+            return self.looks >= self.n
+
+    manifest = art.read_manifest(smoke_artifact)
+    checks = 2 * len(manifest.files) + 1
+    for n in range(1, checks + 1):
+        target = tmp_path / f"c{n}"
+        target.mkdir()
+        marker = target / "m.json"
+        with pytest.raises(InstallError, match="the install was stopped"):
+            extract(str(smoke_artifact), manifest, target, marks=[(marker, {}, None)], cancel=CancelAt(n))
+        assert list(target.iterdir()) == [], (n, list(target.rglob("*")))
+    target = tmp_path / "never"
+    counts = extract(
+        str(smoke_artifact), manifest, target, marks=[(target / "m.json", {}, None)], cancel=CancelAt(checks + 1)
+    )
+    assert counts.written == len(manifest.files) and (target / "m.json").is_file()
+
+
 _KILLED_PARENT = """
 import signal, sys, time
 if sys.argv[3] == "ignored":  # as under `nohup job &`: the shell ignores SIGINT in a background command
@@ -642,7 +676,8 @@ def test_the_install_s_child_rolls_back_when_the_job_dies(smoke_artifact: Path, 
     stops and removes what it staged and linked. Nothing is left half-written: no file of the artifact, no staging
     directory, no marker; and the child does not outlive the job by more than a moment. The child is paused
     (SIGSTOP) while it holds staged files, so that the kill lands mid-install. ``ignored``: a job whose SIGINT is
-    ignored (started as ``nohup job &``), which its child inherits.
+    ignored (started as ``nohup job &``), which its child inherits (the child once stopped through a simulated
+    SIGINT, which an ignored SIGINT dropped).
 
     Staged files outlive the commit by a moment (the install marker is written before the staging directory goes):
     a pause there finds the install done, and a whole install is what must then be left (CI at dc04d4d paused there
