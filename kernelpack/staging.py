@@ -227,11 +227,11 @@ def _child_main() -> None:
     or gave up) cancels the extract, which rolls back at its next file, or finishes if it is writing its markers.
 
     Its stdin is the child's one stop signal. An exception thrown into the extract from outside (the watcher's
-    ``_thread.interrupt_main()`` before, or a terminal's ^C) can land anywhere, in the rollback or in the removal of
-    the staging directory after the markers are written too: a whole install then left a staging directory half
-    removed behind it (CI at dc04d4d caught a kill just after the commit). So the extract checks a flag between
-    files, and SIGINT is ignored here: a ^C that reaches the job's process group stops the job, and its end closes
-    this child's stdin."""
+    ``_thread.interrupt_main()`` before, or a terminal's ^C) lands anywhere: in the rollback itself, or, when the job
+    dies just after the markers are written (CI at dc04d4d killed one there), in the removal of the staging
+    directory, which it leaves half removed behind a whole install. So the extract checks a flag between files, and
+    SIGINT is ignored here: a ^C that reaches the job's process group stops the job, and its end closes this child's
+    stdin."""
     import pickle
     import signal
     import sys
