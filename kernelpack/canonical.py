@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .masks import score_mod_for
-from .signature import Strides, parse_layout, split_layout
+from .signature import Strides, normal_kernel_options, normal_scale, parse_layout, split_layout
 
 if TYPE_CHECKING:
     import torch
@@ -123,21 +123,23 @@ def call(
 def arguments(
     config: Config, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], block_mask: Any
 ) -> dict[str, Any]:
-    """The canonical call's arguments, by flex_attention's parameter names (as Dynamo's guards see them); it runs
-    with grad mode on exactly for the ``"fwd+bwd"`` graph."""
+    """The canonical call's arguments, by flex_attention's parameter names (as Dynamo's guards see them), in the
+    spelling calls are served in (:func:`kernelpack.signature.normalized`: an option at torch's default is no
+    option); it runs with grad mode on exactly for the ``"fwd+bwd"`` graph."""
     q, k, v = inputs
     args: dict[str, Any] = {
         "query": q,
         "key": k,
         "value": v,
         "block_mask": block_mask,
-        "enable_gqa": config.enable_gqa,
-        "kernel_options": dict(config.kernel_options) or None,
+        "enable_gqa": config.q_heads != config.kv_heads,
+        "kernel_options": dict(normal_kernel_options(dict(config.kernel_options))) or None,
     }
     if config.score_mod != "none":
         args["score_mod"] = score_mod_for(config)
-    if config.scale is not None:
-        args["scale"] = config.scale
+    scale = normal_scale(config.scale, config.head_dim)
+    if scale is not None:
+        args["scale"] = scale
     if config.return_lse:
         args["return_lse"] = True
     if config.return_aux != "none":

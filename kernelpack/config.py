@@ -28,6 +28,8 @@ from .signature import (
     CallParams,
     CallSignature,
     Graph,
+    normal_kernel_options,
+    normal_scale,
     parse_layout,
     split_layout,
 )
@@ -125,6 +127,11 @@ class Config(CallParams):
         the score_mod likewise (``score_key``; by default the declared ``"none"`` or ``"identity"``); and the device
         index on CUDA (None on CPU, where inductor's keys carry none)."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(CallParams)}
+        # keyed as a call is (signature.normalized): an option at torch's default, flex's default scale written
+        # out, enable_gqa with as many q as kv heads are no difference
+        shared["kernel_options"] = normal_kernel_options(dict(self.kernel_options))
+        shared["scale"] = normal_scale(self.scale, self.head_dim)
+        shared["enable_gqa"] = self.q_heads != self.kv_heads
         if score_key:
             shared["score_mod"] = score_key
         return CallSignature(

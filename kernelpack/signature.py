@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import math
 import re
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -257,15 +258,86 @@ def _tensor_layout(t: Any) -> str:
     return "strided" + str(tuple(t.stride()))
 
 
+# ------------------------------------------------------------------------------------- arguments that mean the same
+
+# torch's defaults for the kernel options a caller may set: the options ``flex_attention`` fills in
+# (``_apply_kernel_options``'s ``setdefault`` s, torch 2.11-2.15; tests/test_torch_internals.py holds this table to
+# torch's on every torch CI runs). An option at its default traces the same graph as no option: the higher-order op
+# is handed the filled-in dict either way. Known here, without torch: a manifest's signatures are made where torch is
+# not imported (``kernelpack inspect``).
+KERNEL_OPTION_DEFAULTS: Mapping[str, Any] = {
+    "BACKEND": "AUTO",
+    "PRESCALE_QK": False,
+    "ROWS_GUARANTEED_SAFE": False,
+    "BLOCKS_ARE_CONTIGUOUS": False,
+    "WRITE_DQ": True,
+}
+
+
+def normal_kernel_options(options: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """``kernel_options`` as a signature keys them: sorted, without the options at torch's default
+    (:data:`KERNEL_OPTION_DEFAULTS`; ``{}`` and ``{"BACKEND": "AUTO"}`` are no options). ``BACKEND = "FLASH"`` is
+    not a default: it stays."""
+    return tuple(sorted((k, v) for k, v in (options or {}).items() if not _at_default(k, v)))
+
+
+def _at_default(name: str, value: Any) -> bool:
+    default = KERNEL_OPTION_DEFAULTS.get(name, _NO_DEFAULT)
+    return type(value) is type(default) and value == default  # True is not 1 here: torch keeps what it is given
+
+
+_NO_DEFAULT = object()
+
+
+def normal_scale(scale: Any, head_dim: int) -> float | None:
+    """``scale`` as a signature keys it: None for flex's default, ``1 / sqrt(head_dim)``, given or not (flex computes
+    it before the higher-order op, which is handed the float either way: one graph); else the float."""
+    if scale is None or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return scale  # type: ignore[no-any-return]
+    return None if float(scale) == 1.0 / math.sqrt(head_dim) else float(scale)
+
+
+def normalized(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A flex_attention call's arguments (by parameter name) with every value that means what torch's default means
+    replaced by that default, and whether ``return_aux`` asked for nothing.
+
+    What torch compiles is the same for both spellings, but Dynamo guards on the value as passed (``L['return_aux']
+    is None``), so a warmed entry or a precompiled function serves only one of them: calls are keyed and served in
+    the default's spelling, the canonical calls are made in it too (:func:`kernelpack.canonical.arguments`).
+
+    - ``return_aux=AuxRequest()`` (nothing requested): None. Such a call returns ``(out, AuxOutput(None, None))``;
+      the caller restores that (the second value).
+    - ``kernel_options``: without the options at torch's default (:func:`normal_kernel_options`); None when none is
+      left (TorchTitan passes ``{}`` on every call).
+    - ``scale``: None when it is ``1 / sqrt(head_dim)`` (:func:`normal_scale`).
+    - ``enable_gqa``: False when q and k have as many heads (torch only checks the head counts with it).
+    """
+    out = dict(arguments)
+    aux = out.get("return_aux")
+    empty_aux = aux is not None and not getattr(aux, "lse", False) and not getattr(aux, "max_scores", False)
+    if empty_aux:
+        out["return_aux"] = None
+    options = out.get("kernel_options")
+    if options is not None:
+        kept = dict(normal_kernel_options(options))
+        out["kernel_options"] = kept or None
+    query, key = out["query"], out["key"]
+    if out.get("scale") is not None:
+        out["scale"] = normal_scale(out["scale"], int(query.shape[-1]))
+    if out.get("enable_gqa") and int(query.shape[1]) == int(key.shape[1]):
+        out["enable_gqa"] = False
+    return out, empty_aux
+
+
 def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool, *, mask: str | None = None) -> CallSignature:
     """The signature of a flex_attention call with these arguments (by flex_attention's parameter names; a missing
-    one has its default). The graph is the training one when autograd will record the call. ``mask``: its mask's
-    key when the caller has it (:func:`mask_key` with the values a dynamic config keeps free), else by every
-    value."""
+    one has its default), keyed in the default's spelling (:func:`normalized`). The graph is the training one when
+    autograd will record the call. ``mask``: its mask's key when the caller has it (:func:`mask_key` with the values
+    a dynamic config keeps free), else by every value."""
     query, key, value = arguments["query"], arguments["key"], arguments["value"]
     block_mask = arguments.get("block_mask")
-    scale = arguments.get("scale")
     b, hq, q_len, d = query.shape
+    scale = normal_scale(arguments.get("scale"), d)
     device = query.device
     return CallSignature(
         device=device.type,
@@ -279,12 +351,12 @@ def signature_of(arguments: Mapping[str, Any], mode: str, dynamic: bool, *, mask
         head_dim=d,
         dtype=str(query.dtype).removeprefix("torch."),  # type: ignore[arg-type]
         graph=graph_of(query, key, value),
-        kernel_options=tuple(sorted((arguments.get("kernel_options") or {}).items())),
+        kernel_options=normal_kernel_options(arguments.get("kernel_options")),
         mode=mode,  # type: ignore[arg-type]
         dynamic=dynamic,
         layout=layout_of(query, key, value),
-        scale=None if scale is None else float(scale),
-        enable_gqa=bool(arguments.get("enable_gqa", False)),
+        scale=scale,
+        enable_gqa=bool(arguments.get("enable_gqa", False)) and hq != key.shape[1],
         return_lse=bool(arguments.get("return_lse", False)),
         block_size=tuple(block_mask.BLOCK_SIZE) if block_mask is not None else DEFAULT_BLOCK_SIZE,  # type: ignore[arg-type]
         score_mod=score_mod_key(arguments.get("score_mod")),

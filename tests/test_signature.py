@@ -129,16 +129,16 @@ def test_the_signature_sees_how_a_model_calls_flex() -> None:
     k = torch.nn.Linear(32, hkv * d)(x).view(b, s, hkv, d).transpose(1, 2)
     v = torch.nn.Linear(32, hkv * d)(x).view(b, s, hkv, d).transpose(1, 2)
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s, s, device="cpu", BLOCK_SIZE=64)
-    call = {"query": q, "key": k, "value": v, "block_mask": bm, "scale": 0.25, "enable_gqa": True, "return_lse": True}
+    call = {"query": q, "key": k, "value": v, "block_mask": bm, "scale": 0.3, "enable_gqa": True, "return_lse": True}
     sig = signature_of(call, "default", False)
     assert (sig.layout, sig.scale, sig.return_lse, sig.enable_gqa, sig.block_size) == (
         "bshd",
-        0.25,
+        0.3,
         True,
         True,
         (64, 64),
     )
-    assert sig.describe().endswith("fwd+bwd layout=bshd scale=0.25 return_lse=True block_size=(64, 64)]")
+    assert sig.describe().endswith("fwd+bwd layout=bshd scale=0.3 return_lse=True block_size=(64, 64)]")
     canonical = signature_of(
         {"query": q.contiguous(), "key": k.contiguous(), "value": v.contiguous()}, "default", False
     )
@@ -258,3 +258,61 @@ def test_mod_graphs_tell_what_a_function_computes_not_its_name() -> None:
         return score
 
     assert mod_graph(hf_score_mod, "score") == mod_graph(lambda score, b, h, q, kv: score, "score")
+
+
+def test_arguments_that_mean_the_default_are_keyed_and_passed_as_the_default() -> None:
+    """TorchTitan passes ``AuxRequest(lse=False)`` and ``kernel_options={}`` on every call, others write flex's
+    default scale out or ask for GQA with as many kv heads as q heads: torch traces one graph for each pair, so each is
+    one signature, and the call is passed on in the default's spelling (Dynamo guards on the value as passed)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    from kernelpack.signature import normalized
+
+    q = torch.randn(1, 4, 128, 16)
+    plain = {"query": q, "key": q.clone(), "value": q.clone()}
+    base = signature_of(plain, "default", False)
+    same = [
+        {"return_aux": AuxRequest(lse=False)},
+        {"return_aux": AuxRequest(lse=False, max_scores=False)},
+        {"kernel_options": {}},
+        {"kernel_options": {"BACKEND": "AUTO", "PRESCALE_QK": False, "ROWS_GUARANTEED_SAFE": False}},
+        {"kernel_options": {"BLOCKS_ARE_CONTIGUOUS": False, "WRITE_DQ": True}},
+        {"scale": 0.25},  # 1 / sqrt(16)
+        {"scale": 16**-0.5},
+        {"enable_gqa": True},  # 4 q heads, 4 kv heads
+    ]
+    for extra in same:
+        args, empty_aux = normalized({**plain, **extra})
+        assert signature_of({**plain, **extra}, "default", False) == base, extra
+        assert signature_of(args, "default", False) == base, extra
+        assert args.get("return_aux") is None and args.get("kernel_options") is None, (extra, args)
+        assert args.get("scale") is None and not args.get("enable_gqa"), (extra, args)
+        assert empty_aux == ("return_aux" in extra), extra
+    differ = [
+        ({"return_aux": AuxRequest(lse=True)}, "return_aux"),
+        ({"kernel_options": {"BACKEND": "FLASH"}}, "kernel_options"),  # never dropped: another kernel
+        ({"kernel_options": {"BACKEND": "TRITON"}}, "kernel_options"),
+        ({"kernel_options": {"WRITE_DQ": 1}}, "kernel_options"),  # torch keeps 1, not True
+        ({"kernel_options": {"PRESCALE_QK": True}}, "kernel_options"),
+        ({"scale": 0.3}, "scale"),
+    ]
+    for extra, field in differ:
+        sig = signature_of({**plain, **extra}, "default", False)
+        assert [f for f, _, _ in sig.differences(base)] == [field], extra
+        assert normalized({**plain, **extra})[0].get(field) is not None, extra
+    gqa = {"query": q, "key": torch.randn(1, 2, 128, 16), "value": torch.randn(1, 2, 128, 16), "enable_gqa": True}
+    assert normalized(gqa)[0]["enable_gqa"] is True and signature_of(gqa, "default", False).enable_gqa
+
+
+def test_a_recipe_point_that_spells_out_a_default_is_keyed_as_the_call_without_it() -> None:
+    """A recipe's ``kernel_options.PRESCALE_QK = false`` or ``scale = 0.125`` (head_dim 64) builds the graph of no
+    option: its signature equals the call's that omits them, its id stays its own (the artifact's parts are named by
+    it), and the canonical call passes them in the default's spelling."""
+    from kernelpack.canonical import arguments
+
+    smoke = load_recipe(Path(__file__).resolve().parent.parent / "recipes" / "smoke-cpu.toml").configs[0]
+    spelled = dataclasses.replace(smoke, kernel_options=(("PRESCALE_QK", False),), scale=smoke.head_dim**-0.5)
+    assert spelled.id != smoke.id
+    assert spelled.signatures(None) == smoke.signatures(None)
+    canonical = arguments(spelled, make_inputs(spelled, "cpu", random=False), None)
+    assert canonical["kernel_options"] is None and "scale" not in canonical

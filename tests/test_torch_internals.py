@@ -478,3 +478,18 @@ def test_what_a_first_load_imports_can_be_imported_ahead(smoke_artifact: Path, t
     assert "torch._inductor.select_algorithm" in alone and "jinja2" in alone, alone
     ahead = imported("ahead")
     assert [m for m in ahead if not m.startswith(STILL_LOADED)] == [], ahead
+
+
+def test_the_kernel_option_defaults_kernelpack_drops_are_torchs() -> None:
+    """kernelpack keys an option at torch's default as no option (kernelpack.signature.KERNEL_OPTION_DEFAULTS, a
+    table, since a manifest's signatures are made without torch): it must be what this torch fills in."""
+    import torch
+    from torch.nn.attention import flex_attention as flex
+
+    from kernelpack.signature import KERNEL_OPTION_DEFAULTS
+
+    q = torch.zeros(1, 1, 16, 8, device="meta")
+    filled = flex._apply_kernel_options(q, q, q, False, None)
+    assert {k: filled[k] for k in KERNEL_OPTION_DEFAULTS} == dict(KERNEL_OPTION_DEFAULTS)
+    # what a caller may set and torch defaults, beyond the table, is either output-only or absent
+    assert set(filled) - set(KERNEL_OPTION_DEFAULTS) <= {"OUTPUT_LOGSUMEXP", "OUTPUT_MAX"}
