@@ -29,16 +29,26 @@ import torch
 import kernelpack
 from kernelpack import runtime
 
-# the parts of a served call (kernelpack.runtime.dispatch._serve) that --parts times, as (module, attribute)
+# the parts of a served call (kernelpack.runtime.serving.serve) that --parts times, as (module, attribute); a part
+# an older checkout lacks is skipped
 PARTS = [
-    ("kernelpack.runtime.dispatch", "_serve"),
+    ("kernelpack.runtime.serving", "serve"),
+    ("kernelpack.runtime.dispatch", "_serve"),  # a checkout before the serving chain
+    ("kernelpack.runtime.calls", "resolve_call"),
+    ("kernelpack.runtime.calls", "normalized"),
     ("kernelpack.runtime.dispatch", "resolve_call"),
     ("kernelpack.runtime.dispatch", "call_signature"),  # before resolve_call
+    ("kernelpack.runtime.serving", "precompiled_function"),
     ("kernelpack.runtime.dispatch", "precompiled_function"),
+    ("kernelpack.runtime.serving", "runs_warmed_code"),
     ("kernelpack.runtime.dispatch", "runs_warmed_code"),
+    ("kernelpack.runtime.serving", "wait_for_foreign_fx_trace"),
     ("kernelpack.runtime.dispatch", "wait_for_foreign_fx_trace"),
+    ("kernelpack.runtime.serving", "_count_served"),
     ("kernelpack.runtime.dispatch", "_count_served"),
+    ("kernelpack.runtime.calls", "mask_keys"),
     ("kernelpack.runtime.session", "mask_keys"),
+    ("kernelpack.runtime.calls", "signature_of"),
     ("kernelpack.runtime.session", "signature_of"),
     ("kernelpack._torch.aot:Loaded", "serves"),
     ("kernelpack._torch.aot:Loaded", "__call__"),
@@ -65,7 +75,11 @@ def time_parts() -> dict[str, list[float]]:
 
     for where, name in PARTS:
         module, _, cls = where.partition(":")
-        owner = getattr(importlib.import_module(module), cls) if cls else importlib.import_module(module)
+        try:
+            imported = importlib.import_module(module)
+        except ImportError:  # a module this checkout does not have
+            continue
+        owner = getattr(imported, cls) if cls else imported
         if hasattr(owner, name):
             wrap(owner, name, f"{cls or module.rsplit('.', 1)[-1]}.{name}")
     return spent

@@ -200,12 +200,14 @@ def test_no_public_function_shares_its_name_with_a_module() -> None:
 RUNTIME_LAYERS = {
     "session": 0,  # the activation's state
     "ranks": 0,  # a rank's GPU and cache dir
-    "refusals": 1,
-    "attribution": 2,
-    "warmup": 3,
-    "dispatch": 4,
-    "reporting": 4,
-    "start": 5,
+    "calls": 1,  # one call, normalized, keyed once
+    "refusals": 2,  # why not: each server's rejection, the refusal they make
+    "attribution": 3,
+    "warmup": 4,
+    "serving": 5,  # the chain of servers
+    "dispatch": 6,  # the guarded entry
+    "reporting": 6,
+    "start": 7,
 }
 
 

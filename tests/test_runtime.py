@@ -323,11 +323,9 @@ def test_a_non_strict_refusal_of_another_device_index_names_the_device_fix_too()
     threads); an unpinned torchrun rank on cuda:3 must get the same device fix as in strict mode, not "add it to the
     recipe"."""
     manifest = _built_on_device_0(DFLASH)
-    err = not_warmed(runtime.Warmup(background=False), manifest.covers(_signature(3)), {})
+    err = not_warmed(manifest.covers(_signature(3)))
     assert "device_index 0 vs 3" in str(err) and "pin_local_gpu()" in err.hint and "--devices" in err.hint
-    other_shape = not_warmed(
-        runtime.Warmup(background=False), manifest.covers(_signature(3, q_len=2048, kv_len=2048)), {}
-    )
+    other_shape = not_warmed(manifest.covers(_signature(3, q_len=2048, kv_len=2048)))
     assert "add it to the recipe" in other_shape.hint  # the device and the graph differ too: not a length fix
 
 

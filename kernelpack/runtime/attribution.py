@@ -20,8 +20,9 @@ from .._torch.dynamo import imported as dynamo_imported
 from ..errors import KernelpackWarning
 from ..signature import CallSignature
 from . import session
+from .calls import FlexCall, frame_call
 from .refusals import refusal
-from .session import FirstCall, State, call_signature
+from .session import FirstCall, State
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +141,16 @@ def notify(path: str, arguments: Mapping[str, Any] | None, mode: str, dynamic: b
 
 
 def observe(state: State, record: evidence.CompileRecord, frame: Mapping[str, Any] | None) -> Observed:
+    call = _frame_call(frame)
     if isinstance(record.tag, Call):
         sig: CallSignature | None = record.tag.signature
-        if sig is None and _is_flex_call(frame):
-            assert frame is not None
-            sig = _signature_or_none(frame)
+        if sig is None and call is not None:
+            sig = _signature_or_none(call)
         path = record.tag.path
     elif isinstance(record.note, Observed):  # a lazy backward: its forward's
         return record.note
-    elif _is_flex_call(frame):
-        assert frame is not None
-        sig, path = _signature_or_none(frame), "torch.compile(flex_attention)"
+    elif call is not None:
+        sig, path = _signature_or_none(call), "torch.compile(flex_attention)"
     elif "flex_attention.py" in record.code:
         # flex_attention called eagerly: torch runs it through torch.compile(backend="eager"), then the dense path
         return Observed("flex_attention (eager)")
@@ -170,15 +170,22 @@ def observe(state: State, record: evidence.CompileRecord, frame: Mapping[str, An
     )
 
 
-def _is_flex_call(frame: Mapping[str, Any] | None) -> bool:
-    return frame is not None and all(n in frame for n in ("query", "key", "value", "block_mask", "score_mod"))
+def _frame_call(frame: Mapping[str, Any] | None) -> FlexCall | None:
+    """The flex_attention call a compiled frame makes, or None (another frame, or one kernelpack cannot read)."""
+    if frame is None:
+        return None
+    try:
+        return frame_call(frame)
+    except Exception:
+        log.debug("no call for a compiled flex_attention frame", exc_info=True)
+        return None
 
 
-def _signature_or_none(frame: Mapping[str, Any]) -> CallSignature | None:
+def _signature_or_none(call: FlexCall) -> CallSignature | None:
     # the user's own torch.compile: its mode and dynamic are not in the frame; the defaults stand in. Its mask is
     # keyed as the artifact keys masks (a dynamic config's free values by type), so the report names the right miss
     try:
-        return call_signature("default", False, frame)
+        return call.signature
     except Exception:
         log.debug("no call signature for a compiled flex_attention frame", exc_info=True)
         return None
@@ -189,7 +196,7 @@ def on_compile(record: evidence.CompileRecord, frame: Mapping[str, Any] | None) 
     its code path and call; one that compiled something outside kernelpack's own entry warns, once per call site.
     Observers see the user's own torch.compile(flex_attention) calls here, with or without activate()."""
     if observers and record.forward and not isinstance(record.tag, Call):
-        if _is_flex_call(frame):
+        if _frame_call(frame) is not None:
             notify("torch.compile(flex_attention)", frame, "default", False)
         elif "flex_attention.py" in record.code:
             notify("flex_attention (eager)", None, "default", False)
@@ -232,7 +239,8 @@ def refuse_foreign_compile(frame: Mapping[str, Any] | None) -> None:
     first of compiles in flight at once; the rest are reported and warned of."""
     state = session.current()
     active = state.active
-    if active is None or active.manifest is None or not _is_flex_call(frame):
+    call = _frame_call(frame)
+    if active is None or active.manifest is None or call is None:
         return
     installing = active.installing
     if installing is not None and not installing.complete:
@@ -246,8 +254,7 @@ def refuse_foreign_compile(frame: Mapping[str, Any] | None) -> None:
             log.warning("kernelpack: installing %s for torch.compile(flex_attention) failed: %s", active.artifact, e)
     if not active.strict:
         return
-    assert frame is not None
-    sig = _signature_or_none(frame)
+    sig = _signature_or_none(call)
     if sig is None:
         return
     # the user's torch.compile options are not in the frame: covered under any options the artifact was built with

@@ -1,55 +1,22 @@
-"""Why a call is not served, in the user's terms: strict mode's refusal of an uncovered call (the nearest covered
-signatures and the one field that differs), the refusal of a call the warm-up did not warm (the Dynamo guard that
-failed, and its fix).
+"""Why a call is not served, in the user's terms: each server's :class:`Rejection`, and the refusal the chain's
+rejections make (:func:`refused`): strict mode's refusal of an uncovered call (the nearest covered signatures and the
+one field that differs), the refusal of a call the warm-up did not warm (the Dynamo guard that failed, and its fix).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .. import functions
-from ..compiled import guard_failure
-from ..errors import DEVICE_HINT, NotPrecompiledError, NotWarmedError
-from ..manifest import Coverage, Manifest
+from ..errors import DEVICE_HINT, KernelpackError, NotPrecompiledError, NotWarmedError
+from ..manifest import Coverage
 from ..masks import mask_for
 from ..signature import CallSignature
+from .calls import FlexCall
 from .session import Activation, Warmup
-
-
-def runs_warmed_code(warm: Warmup, arguments: Mapping[str, Any]) -> bool:
-    """The call's mask_mod and score_mod run the code of warmed ones: what Dynamo's ID_MATCH guards on code objects
-    checked, which torch drops from a saved function (the signature alone trusts a ``kernelpack_mask`` tag)."""
-    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
-    score_mod = arguments.get("score_mod")
-    return all(fn is None or _runs_warmed(warm, fn) for fn in (mask_mod, score_mod))
-
-
-def _runs_warmed(warm: Warmup, fn: Any) -> bool:
-    try:
-        if warm.runs_warmed.get(fn):
-            return True
-        remembered = True
-    except TypeError:  # not weakly referable: walked at every call
-        remembered = False
-    # ``fn`` is a warmed function, or runs one's code: the same code objects throughout (a mask built by and_masks
-    # or padded() of other masks); the values are the guards' (functions.same(values=False), by its one value)
-    found = functions.code_shape(fn) in _warmed_shapes(warm)
-    if found and remembered:
-        warm.runs_warmed[fn] = True
-    return found
-
-
-def _warmed_shapes(warm: Warmup) -> frozenset[tuple[Any, ...]]:
-    """The code shapes (:func:`kernelpack.functions.code_shape`) of the warmed mask_mods and score_mods, made again
-    only when the warm-up added one (the warm-up keeps them alive, so the objects their shapes name stay theirs)."""
-    mods = list(warm.mods)
-    made = warm.mod_shapes
-    if made is None or made[0] != len(mods):
-        made = (len(mods), frozenset(functions.code_shape(w) for w in mods))
-        warm.mod_shapes = made
-    return made[1]
 
 
 def _mask_differs(coverage: Coverage) -> bool:
@@ -83,13 +50,52 @@ def mask_detail(active: Activation, coverage: Coverage, arguments: Mapping[str, 
     return f"the call's mask closes over other values than the artifact's: {shown}{more}"
 
 
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Why one server of the chain (:mod:`.serving`) did not serve a call: its name, what kind of no it is, and the
+    detail, formatted only if the call is refused (a served call never pays for it).
+
+    Kinds: ``"guards"``, a warmed function or Dynamo entry of the call's signature exists and fails the call (the
+    detail: the guard that failed, in Dynamo's words); ``"not warmed"``, the artifact covers the call but this
+    process did not warm it (the detail says why); ``"range"``, a dynamic graph's guards pass for a length the
+    artifact does not cover (strict); ``"none"``, nothing of this server's is there for the call."""
+
+    server: str
+    kind: str
+    detail: Callable[[], str] | None = None
+
+    def why(self) -> str:
+        return self.detail() if self.detail is not None else ""
+
+
+def refused(
+    call: FlexCall, trace: Sequence[Rejection], active: Activation, warm: Warmup | None
+) -> tuple[KernelpackError, str]:
+    """The error for a call no server served, formatted from the chain's ``trace``, and its reason in one line (the
+    report's). Strict mode refuses an uncovered call (:func:`refusal`, with the nearest covered configs); any other
+    call is one activate() did not warm, or one that differs from the warm-up's in what Dynamo guards on
+    (:func:`not_warmed`)."""
+    coverage = call.coverage(active)
+    if coverage.entry is None and active.strict:
+        error: KernelpackError = refusal(
+            coverage, active.artifact, detail=mask_detail(active, coverage, call.arguments)
+        )
+        return error, "not covered by the artifact (strict mode)"
+    error = not_warmed(coverage, trace, call.arguments, active)
+    return error, error.reason.splitlines()[0]
+
+
 def not_warmed(
-    warm: Warmup, coverage: Coverage, arguments: dict[str, Any], active: Activation | None = None
+    coverage: Coverage,
+    trace: Sequence[Rejection] = (),
+    arguments: Mapping[str, Any] | None = None,
+    active: Activation | None = None,
 ) -> NotWarmedError:
+    """After the warm-up, a call no server served: one the artifact does not cover (non-strict mode still refuses
+    it: tracing it could hang threads), one activate() did not warm (a :class:`Rejection` of kind "not warmed" says
+    why), or one that differs from the warm-up's in what Dynamo guards on (the first rejection of kind "guards" says
+    which guard)."""
     sig = coverage.signature
-    warmed = sig  # what the warm-up knows it by: a dynamic range config's traced call
-    if coverage.entry is not None and coverage.entry.config.q_range is not None:
-        warmed = Manifest.traced(sig, coverage.entry)
     hint = (
         "make the call as the recipe declares it (its [call] layout, scale and flags; the BlockMask from the "
         "recipe's mask function; its score_mod), as the warm-up did (kernelpack.canonical); or activate(warmup=False), "
@@ -99,7 +105,7 @@ def not_warmed(
         reason = "the artifact does not cover it; nearest covered:\n" + "\n".join(
             f"  {n.describe()}" for n in coverage.nearest
         )
-        detail = mask_detail(active, coverage, arguments) if active is not None else ""
+        detail = mask_detail(active, coverage, arguments or {}) if active is not None else ""
         if detail:
             reason += "\n" + detail
         hint = (
@@ -111,18 +117,10 @@ def not_warmed(
         lengths = length_hint(coverage)
         if lengths:
             hint = f"{lengths}; non-strict mode compiles uncovered calls only with activate(warmup=False)"
-    elif warmed in warm.skipped:
-        reason = f"the artifact covers it, but activate() did not warm it: {warm.skipped[warmed]}"
+    elif (skipped := next((r for r in trace if r.kind == "not warmed"), None)) is not None:
+        reason = f"the artifact covers it, but activate() did not warm it: {skipped.why()}"
     else:
-        entry = warm.entries.get(warmed)
-        failed = guard_failure(entry, arguments) if entry is not None else ""
-        if warmed in warm.precompiled:  # tier 2 serves this signature: its guards, or kernelpack's code check, said no
-            failed = warm.precompiled[warmed].guard_failure(arguments)
-            if not runs_warmed_code(warm, arguments):  # after what Dynamo says: its guard names the cause
-                failed = (f"{failed}; " if failed else "") + (
-                    "the mask_mod or score_mod runs other code than the warmed one's (Dynamo's identity guard on "
-                    "the mask_mod's code object, which kernelpack checks for a precompiled function)"
-                )
+        failed = next((r.why() for r in trace if r.kind == "guards"), "")
         reason = (
             "the artifact covers it and activate() warmed it, but this call differs from the warm-up's in what "
             "Dynamo guards on: " + (failed or "(torch does not say which guard)")

@@ -1,15 +1,14 @@
-"""The activation's state: what :func:`activate` started (its artifact, install and warm-up), the first
-calls and refusals seen since, and how a call is keyed against the active artifact. The other runtime modules read
-it through :func:`current`; only :func:`begin` replaces it.
+"""The activation's state: what :func:`activate` started (its artifact, install and warm-up), and the first
+calls and refusals seen since. The other runtime modules read it through :func:`current`; only :func:`begin`
+replaces it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +18,7 @@ from ..config import Config
 from ..errors import KernelpackError
 from ..installer import Installing, InstallResult
 from ..manifest import BuiltConfig, Coverage, Manifest
-from ..signature import CallSignature, mask_key, mask_keys, signature_of
+from ..signature import CallSignature
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,50 +231,6 @@ def active() -> Activation | None:
     """The activation in force (what :func:`kernelpack.runtime.activate` returned), or None: what an integration
     reads to pick the entry for the artifact's compile options."""
     return _current.active
-
-
-def call_signature(mode: str, dynamic: bool, arguments: Mapping[str, Any]) -> CallSignature:
-    """The call's signature as the active artifact keys it: its mask by every value, or, where that is not covered,
-    with the values a dynamic config's graph keeps symbolic by type (:attr:`BuiltConfig.mask_free`: DFlash's S),
-    when that is covered."""
-    return resolve_call(mode, dynamic, arguments)[0]
-
-
-def resolve_call(
-    mode: str, dynamic: bool, arguments: Mapping[str, Any]
-) -> tuple[CallSignature, tuple[BuiltConfig, CallSignature] | None]:
-    """:func:`call_signature`, and what :meth:`Manifest.resolve` says of it (the entry that serves it and the
-    signature that entry was built at), or None where nothing serves it: one lookup for a served call."""
-    active = current().active
-    manifest = active.manifest if active is not None else None
-    mask_mod = getattr(arguments.get("block_mask"), "mask_mod", None)
-    free_sets = manifest.free_sets if manifest is not None and mask_mod is not None else ()
-    if manifest is None or not free_sets:
-        plain = signature_of(arguments, mode, dynamic)
-        return plain, manifest.resolve(plain) if manifest is not None else None
-    # every key of a mask not seen before from one walk (a DFlash mask is rebuilt every step); by every value only
-    # where some config keys its mask so (an artifact of dynamic configs alone never does)
-    by_value = manifest.keys_by_value
-    mask_keys(mask_mod, ((), *free_sets) if by_value else free_sets)
-    # one signature made; the others differ from it in the mask alone
-    base = signature_of(arguments, mode, dynamic, mask=None if by_value else mask_key(mask_mod, free_sets[0]))
-    if by_value:
-        found = manifest.resolve(base)
-        if found is not None:
-            return base, found
-    near = None
-    for free in free_sets:
-        key = mask_key(mask_mod, free)
-        keyed = base if base.mask == key else dataclasses.replace(base, mask=key)
-        found = manifest.resolve(keyed)
-        if found is not None:
-            return keyed, found
-        if near is None and any(c.mask_key == keyed.mask for c in manifest.configs):
-            near = keyed  # a config's mask, at lengths it does not cover: a refusal then names only the lengths
-    # not served: the mask by every value, unless a config's mask at other lengths says more
-    if near is not None:
-        return near, None
-    return (base if by_value else signature_of(arguments, mode, dynamic)), None
 
 
 def padded_length(n: int, *, where: Callable[[Config], bool] | None = None) -> int:
